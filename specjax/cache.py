@@ -50,7 +50,8 @@ class KVCache:
     can matter), so a write can never wrap or clobber valid entries.
     """
     num_new = k_new.shape[2]
-    slots_BT = self.lengths[:, None] + jnp.arange(num_new, dtype=jnp.int32)
+    slots_BT = (self.lengths[:, None]
+                + jnp.arange(num_new, dtype=jnp.int32)[None, :])
     rows_BT = jnp.broadcast_to(
         jnp.arange(slots_BT.shape[0])[:, None], slots_BT.shape)
 

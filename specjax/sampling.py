@@ -1,0 +1,81 @@
+"""Logits -> probabilities: the one warping every code path uses.
+
+Draft and target distributions must be warped identically for speculative
+sampling to be exact, so temperature / top-k / top-p live here and nowhere
+else. Order follows transformers' warpers: temperature, then top-k, then top-p
+on the top-k-renormalized distribution; ties at a cut-off are kept. All math in
+f32 whatever the model dtype. Temperature 0 means greedy: the "distribution" is
+the one-hot of the argmax (ties -> lowest id, like ``jnp.argmax``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """Static sampling knobs (hashable; changing them recompiles).
+
+  Attributes:
+    temperature: 0 for greedy, else > 0.
+    top_k: keep the k most likely tokens; 0 disables.
+    top_p: keep the smallest set with mass >= top_p; 1 disables. In (0, 1].
+  """
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+
+  def __post_init__(self):
+    if not self.temperature >= 0:
+      raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+    if self.top_k < 0:
+      raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature == 0
+
+
+def warp(logits_XV: jax.Array, sp: SamplingParams) -> jax.Array:
+  """Probabilities ``f32[..., V]`` after temperature, top-k and top-p."""
+  logits = logits_XV.astype(jnp.float32)
+  V = logits.shape[-1]
+  if sp.greedy:
+    return jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
+  logits = logits / sp.temperature
+  k = sp.top_k if 0 < sp.top_k < V else 0
+  if k:
+    top_vals = jax.lax.top_k(logits, k)[0]
+    logits = jnp.where(logits < top_vals[..., -1:], -jnp.inf, logits)
+  probs = jax.nn.softmax(logits, axis=-1)
+  if sp.top_p < 1:
+    # Sorted probabilities: the top-k survivors if any, else the whole vocab.
+    sorted_p = (jax.lax.top_k(probs, k)[0] if k
+                else -jnp.sort(-probs, axis=-1))
+    mass_before = jnp.cumsum(sorted_p, axis=-1) - sorted_p
+    keep = mass_before < sp.top_p  # the top token always survives
+    threshold = jnp.min(jnp.where(keep, sorted_p, jnp.inf), axis=-1,
+                        keepdims=True)
+    probs = jnp.where(probs >= threshold, probs, 0.0)
+    probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
+  return probs
+
+
+def sample(probs_XV: jax.Array, key: jax.Array) -> jax.Array:
+  """One token per leading index from probabilities (zeros are never drawn)."""
+  return jax.random.categorical(key, jnp.log(probs_XV), axis=-1).astype(
+      jnp.int32)
+
+
+def sample_logits(logits_XV: jax.Array, sp: SamplingParams,
+                  key: jax.Array) -> jax.Array:
+  """``int32[...]`` next tokens; greedy skips the random draw entirely."""
+  if sp.greedy:
+    return jnp.argmax(logits_XV, axis=-1).astype(jnp.int32)
+  return sample(warp(logits_XV, sp), key)

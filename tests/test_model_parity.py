@@ -1,0 +1,112 @@
+"""specjax's Llama-family forward against transformers on random tiny models."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from specjax.models import llama
+from specjax.models.hf_loader import load_hf
+from tests.tiny_hf import TINY_CONFIGS, make_tiny
+
+T, S = 13, 29
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
+def tiny(request, tmp_path_factory):
+  d = tmp_path_factory.mktemp(request.param)
+  torch_model = make_tiny(request.param, d)
+  cfg, params = load_hf(d)
+  return torch_model, cfg, params
+
+
+def _torch_logits(model, tokens):
+  with torch.no_grad():
+    return model(torch.tensor(np.asarray(tokens))).logits.numpy()
+
+
+def test_full_forward_matches_transformers(tiny):
+  """Invariant: logits of a full forward equal transformers' (max |Δ| < 1e-4, f32)."""
+  model, cfg, params = tiny
+  tokens = jax.random.randint(jax.random.key(1), (2, T), 0, cfg.vocab_size)
+  out = llama.forward(params, cfg, tokens, llama.init_cache(cfg, 2, S))
+  ref = _torch_logits(model, tokens)
+  assert out.logits.shape == ref.shape
+  np.testing.assert_array_less(np.abs(np.asarray(out.logits) - ref).max(), 1e-4)
+  np.testing.assert_array_equal(out.cache.lengths, [T, T])
+
+
+def test_prefill_then_decode_equals_full_forward(tiny):
+  """Invariant: prefill of a prefix + one-token decode steps = one full forward."""
+  _, cfg, params = tiny
+  tokens = jax.random.randint(jax.random.key(2), (2, T), 0, cfg.vocab_size)
+  full = llama.forward(params, cfg, tokens, llama.init_cache(cfg, 2, S)).logits
+  fwd = jax.jit(lambda p, t, c: llama.forward(p, cfg, t, c))
+  out = fwd(params, tokens[:, :5], llama.init_cache(cfg, 2, S))
+  pieces, cache = [out.logits], out.cache
+  for t in range(5, T):
+    out = fwd(params, tokens[:, t:t + 1], cache)
+    pieces.append(out.logits)
+    cache = out.cache
+  np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), full, atol=2e-5)
+  np.testing.assert_array_equal(cache.lengths, [T, T])
+
+
+def test_ragged_batch_equals_rows_alone(tiny):
+  """Invariant: rows of different lengths in one batch (right-padded prefill,
+  lengths rolled back, then decode) give each row's logits as if run alone."""
+  _, cfg, params = tiny
+  lengths = np.array([4, 11, 7])
+  seqs = np.asarray(jax.random.randint(jax.random.key(3), (3, T), 0,
+                                       cfg.vocab_size))
+  padded = np.where(np.arange(T)[None] < lengths[:, None], seqs, 0)
+  out = llama.forward(params, cfg, jnp.asarray(padded[:, :11]),
+                      llama.init_cache(cfg, 3, S))
+  cache = out.cache.with_lengths(lengths)
+  nxt = seqs[np.arange(3), lengths][:, None]
+  step = llama.forward(params, cfg, jnp.asarray(nxt), cache)
+  for b in range(3):
+    alone = np.concatenate([seqs[b, :lengths[b]], nxt[b]])[None]
+    ref = llama.forward(params, cfg, jnp.asarray(alone),
+                        llama.init_cache(cfg, 1, S)).logits
+    np.testing.assert_allclose(out.logits[b, :lengths[b]],
+                               ref[0, :lengths[b]], atol=2e-5)
+    np.testing.assert_allclose(step.logits[b, 0], ref[0, -1], atol=2e-5)
+
+
+def test_taps_are_layer_inputs(tiny):
+  """Invariant: tap i equals transformers' hidden_states[i] (the input of layer i);
+  tap L is the last layer's output before the final norm."""
+  model, cfg, params = tiny
+  tokens = jax.random.randint(jax.random.key(4), (1, 6), 0, cfg.vocab_size)
+  taps = (0, 1, cfg.num_layers)
+  out = llama.forward(params, cfg, tokens, llama.init_cache(cfg, 1, S),
+                      taps=taps)
+  with torch.no_grad():
+    hs = model(torch.tensor(np.asarray(tokens)),
+               output_hidden_states=True).hidden_states
+  for i, tap in enumerate(taps[:-1]):
+    np.testing.assert_allclose(out.taps[i], hs[tap].numpy(), atol=1e-5)
+  # transformers' last entry has the final norm applied; ours must not.
+  normed = llama.rms_norm(out.taps[-1], params.final_norm, cfg.norm_eps)
+  np.testing.assert_allclose(normed, hs[-1].numpy(), atol=1e-5)
+
+
+def test_missing_tensor_and_bad_arch_errors(tmp_path):
+  """Invariant: a missing tensor or unknown architecture is a one-line error."""
+  import json
+  from safetensors.numpy import load_file, save_file
+  from specjax.models.weights import WeightError
+  make_tiny("llama_gqa_tied", tmp_path)
+  f = next(tmp_path.glob("*.safetensors"))
+  tensors = load_file(f)
+  del tensors["model.layers.1.mlp.up_proj.weight"]
+  save_file(tensors, f)
+  with pytest.raises(WeightError, match="model.layers.1.mlp.up_proj.weight"):
+    load_hf(tmp_path)
+  cfg = json.loads((tmp_path / "config.json").read_text())
+  cfg["model_type"] = "gpt2"
+  (tmp_path / "config.json").write_text(json.dumps(cfg))
+  with pytest.raises(WeightError, match="unsupported model_type 'gpt2'"):
+    load_hf(tmp_path)
