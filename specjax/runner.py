@@ -17,7 +17,7 @@ import numpy as np
 
 from specjax import bucketing, engine
 from specjax.models.registry import Model
-from specjax.sampling import SamplingParams
+from specjax.sampling import SamplingParams  # re-exported for callers
 
 
 @dataclasses.dataclass

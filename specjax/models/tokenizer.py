@@ -171,12 +171,12 @@ class Tokenizer:
     types = _field(reader, "tokenizer.ggml.token_type", [])
     merges = _field(reader, "tokenizer.ggml.merges")
     bos_id = _field(reader, "tokenizer.ggml.bos_token_id", None)
-    unk_id = _field(reader, "tokenizer.ggml.unknown_token_id", None)
-
+    # No unk_token: SmolLM2's vocab lacks some bytes (0x04, 0xf1, ...), and
+    # llama.cpp and the reference tokenizer.json drop those, not map them to
+    # tokenizer.ggml.unknown_token_id.
     tok = tokenizers.Tokenizer(models.BPE(
         vocab={t: i for i, t in enumerate(tokens)},
         merges=[tuple(m.split(" ", 1)) for m in merges],
-        unk_token=None if unk_id is None else tokens[unk_id],
         ignore_merges=ignore_merges))
     tok.pre_tokenizer = make_pre()
     tok.decoder = decoders.ByteLevel()

@@ -1,0 +1,61 @@
+"""The README's main job: SmolLM2-135M-Instruct decoding on this machine.
+
+Streams one answer token by token (the jitted step driven from Python), then
+decodes a ragged batch in one ``lax.while_loop`` call and reports tokens/s.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import jax
+import numpy as np
+
+from specjax import bucketing, engine, runner
+from specjax.models.registry import load_model
+from specjax.models.tokenizer import StreamDecoder
+
+PROMPTS = (
+    "Write a Python function that checks whether a number is prime.",
+    "Explain in two sentences why the sky is blue.",
+    "Give me three tips for writing clear emails.",
+    "What is 17 times 23?",
+)
+
+
+def run(max_new_tokens: int = 96) -> None:
+  say = lambda *a: print(*a, flush=True)
+  t0 = time.perf_counter()
+  model = load_model("smollm2-135m")
+  say(f"loaded {model.config.name}: {model.config.num_layers} layers, "
+      f"D={model.config.dim}, V={model.config.vocab_size} "
+      f"({time.perf_counter() - t0:.1f} s, backend {jax.default_backend()})")
+
+  ids = [model.tokenizer.encode_chat(p) for p in PROMPTS]
+  say(f"\n>>> {PROMPTS[0]}")
+  prompt_BT, lengths = bucketing.pad_prompts(ids[:1])
+  dcfg = runner.decode_config(model, prompt_BT.shape[1], max_new_tokens,
+                              runner.SamplingParams())
+  detok, shown = StreamDecoder(model.tokenizer, skip_special_tokens=True), 0
+  for state in engine.stream(model.params, prompt_BT, lengths,
+                             jax.random.key(0), np.int32(max_new_tokens),
+                             model_cfg=model.config, dcfg=dcfg):
+    n = int(state.num_tokens[0])
+    sys.stdout.write(detok.push(state.tokens[0, lengths[0] + shown:n].tolist()))
+    sys.stdout.flush()
+    shown = n - lengths[0]
+  say(detok.flush())
+
+  say(f"\nbatch of {len(PROMPTS)} prompts ({', '.join(str(len(i)) for i in ids)}"
+      f" tokens), greedy, up to {max_new_tokens} new tokens each:")
+  runner.generate_ids(model, ids, max_new_tokens=max_new_tokens)  # compile
+  res = runner.generate_ids(model, ids, max_new_tokens=max_new_tokens)
+  for prompt, row in zip(PROMPTS, res.rows):
+    text = model.tokenizer.decode(row.output_ids, skip_special_tokens=True)
+    say(f"\n>>> {prompt}\n{text.strip()}  [{len(row.output_ids)} tokens, "
+        f"{row.stop_reason}]")
+  say(f"\n{res.new_tokens} tokens in {res.wall_s:.2f} s = "
+      f"{res.new_tokens / res.wall_s:.1f} tokens/s "
+      f"({res.num_steps + 1} batched steps, "
+      f"{res.wall_s / (res.num_steps + 1) * 1e3:.1f} ms/step)")
