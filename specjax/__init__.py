@@ -1,0 +1,33 @@
+"""specjax: speculative decoding for LLMs as jitted pure JAX functions.
+
+Axis vocabulary, used in names (``logits_BTV``) and einsum strings everywhere:
+
+  B batch · T new tokens this step · S cache capacity (slots) · L layers ·
+  D model width · N query heads · G kv heads · R = N/G heads per kv head ·
+  H head dim · F MLP width · V vocab · Vd draft vocab · K draft length ·
+  M tree nodes · P positions picked for logits.
+
+Public API (everything else is an implementation detail):
+"""
+
+from specjax.bucketing import bucket_length, capacity_for, pad_prompts
+from specjax.cache import KVCache
+from specjax.engine import (DecodeConfig, DecodeState, generate, generate_jit,
+                            prefill, prefill_jit, step, step_jit, stream)
+from specjax.models.config import ModelConfig, RopeScaling
+from specjax.models.llama import ForwardOutput, LlamaParams, forward, init_cache
+from specjax.models.registry import Model, load_model
+from specjax.models.tokenizer import StreamDecoder, Tokenizer
+from specjax.runner import BatchResult, RowResult, generate_ids
+from specjax.sampling import SamplingParams, sample_logits, warp
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BatchResult", "DecodeConfig", "DecodeState", "ForwardOutput", "KVCache",
+    "LlamaParams", "Model", "ModelConfig", "RopeScaling", "RowResult",
+    "SamplingParams", "StreamDecoder", "Tokenizer", "bucket_length",
+    "capacity_for", "forward", "generate", "generate_ids", "generate_jit",
+    "init_cache", "load_model", "pad_prompts", "prefill", "prefill_jit",
+    "sample_logits", "step", "step_jit", "stream", "warp",
+]

@@ -23,7 +23,8 @@ class SamplingParams:
   Attributes:
     temperature: 0 for greedy, else > 0.
     top_k: keep the k most likely tokens; 0 disables.
-    top_p: keep the smallest set with mass >= top_p; 1 disables. In (0, 1].
+    top_p: keep the most likely tokens until their mass reaches top_p, plus
+      every token tied with the last one kept; 1 disables. In (0, 1].
   """
   temperature: float = 0.0
   top_k: int = 0

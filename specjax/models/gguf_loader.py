@@ -61,6 +61,13 @@ def unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
           .reshape(w.shape))
 
 
+def _gguf_names(num_layers: int):
+  yield from _GLOBAL_NAMES
+  for i in range(num_layers):
+    for suffix in _LAYER_NAMES:
+      yield f"blk.{i}.{suffix}"
+
+
 def _field(reader: gguf.GGUFReader, key: str, default=None):
   f = reader.fields.get(key)
   return default if f is None else f.contents()
@@ -115,8 +122,11 @@ def load_gguf(path: str | pathlib.Path, dtype=jnp.float32, name: str = ""):
 
   def get(hf_name: str) -> Optional[np.ndarray]:
     t = by_name.get(hf_name)
-    if t is None:
-      return None
+    if t is None:  # only tensors the config requires are ever asked for
+      gguf_name = next((g for g in _gguf_names(cfg.num_layers)
+                        if _hf_name(g) == hf_name), hf_name)
+      raise WeightError(f"GGUF file is missing tensor {gguf_name!r} "
+                        f"({hf_name})")
     try:
       w = gguf.quants.dequantize(t.data, t.tensor_type)
     except NotImplementedError:
