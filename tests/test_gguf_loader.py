@@ -168,27 +168,26 @@ def _expected_hf_weights(model, qtype: QType) -> dict[str, np.ndarray]:
 
 
 def _params_as_hf(params, cfg) -> dict[str, np.ndarray]:
-  """Splits loaded (fused, transposed, stacked) params back into HF tensors."""
+  """Splits loaded (fused, transposed) params back into HF tensors."""
   NH, GH = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-  lp = jax.tree_util.tree_map(np.asarray, params.layers)
   out = {"model.embed_tokens.weight": np.asarray(params.embed),
          "model.norm.weight": np.asarray(params.final_norm)}
   if params.lm_head is not None:
     out["lm_head.weight"] = np.asarray(params.lm_head).T
-  for i in range(cfg.num_layers):
+  for i, lp in enumerate(jax.tree_util.tree_map(np.asarray, params.layers)):
     p = f"model.layers.{i}."
-    qkv = lp.wqkv[i].T
-    gate_up = lp.w_gate_up[i].T
+    qkv = lp.wqkv.T
+    gate_up = lp.w_gate_up.T
     out.update({
-        p + "input_layernorm.weight": lp.attn_norm[i],
+        p + "input_layernorm.weight": lp.attn_norm,
         p + "self_attn.q_proj.weight": qkv[:NH],
         p + "self_attn.k_proj.weight": qkv[NH:NH + GH],
         p + "self_attn.v_proj.weight": qkv[NH + GH:],
-        p + "self_attn.o_proj.weight": lp.wo[i].T,
-        p + "post_attention_layernorm.weight": lp.mlp_norm[i],
+        p + "self_attn.o_proj.weight": lp.wo.T,
+        p + "post_attention_layernorm.weight": lp.mlp_norm,
         p + "mlp.gate_proj.weight": gate_up[:cfg.ffn_dim],
         p + "mlp.up_proj.weight": gate_up[cfg.ffn_dim:],
-        p + "mlp.down_proj.weight": lp.w_down[i].T,
+        p + "mlp.down_proj.weight": lp.w_down.T,
     })
   return out
 

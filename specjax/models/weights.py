@@ -3,13 +3,14 @@
 Both loaders (GGUF, HF safetensors) reduce their file format to one getter,
 ``get(hf_name) -> np.ndarray`` in transformers' naming and ``(out, in)`` layout;
 this module checks shapes, transposes to ``x @ W`` layout, fuses q/k/v and
-gate/up, and stacks layers.
+gate/up, one ``LayerParams`` per layer.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Optional
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -52,20 +53,17 @@ def params_from_getter(get: Getter, cfg: ModelConfig,
           _need(get, p + "self_attn.v_proj.bias", (GH,))])
     gate = _need(get, p + "mlp.gate_proj.weight", (F, D))
     up = _need(get, p + "mlp.up_proj.weight", (F, D))
-    layers.append(dict(
+    w = dict(
         attn_norm=_need(get, p + "input_layernorm.weight", (D,)),
         wqkv=np.concatenate([q, k, v], axis=0).T,
         bqkv=bias,
         wo=_need(get, p + "self_attn.o_proj.weight", (D, NH)).T,
         mlp_norm=_need(get, p + "post_attention_layernorm.weight", (D,)),
         w_gate_up=np.concatenate([gate, up], axis=0).T,
-        w_down=_need(get, p + "mlp.down_proj.weight", (D, F)).T,
-    ))
-
-  def stack(key):
-    if layers[0][key] is None:
-      return None
-    return jnp.asarray(np.stack([l[key] for l in layers]), dtype)
+        w_down=_need(get, p + "mlp.down_proj.weight", (D, F)).T)
+    layers.append(LayerParams(**{
+        name: None if x is None else jnp.asarray(x, dtype)
+        for name, x in w.items()}))
 
   embed = _need(get, "model.embed_tokens.weight", (cfg.vocab_size, D))
   lm_head = None
@@ -74,11 +72,10 @@ def params_from_getter(get: Getter, cfg: ModelConfig,
                           dtype)
   return LlamaParams(
       embed=jnp.asarray(embed, dtype),
-      layers=LayerParams(**{k: stack(k) for k in layers[0]}),
+      layers=tuple(layers),
       final_norm=jnp.asarray(_need(get, "model.norm.weight", (D,)), dtype),
       lm_head=lm_head)
 
 
 def num_params(params: LlamaParams) -> int:
-  import jax
   return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
