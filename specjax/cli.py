@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from typing import Optional, Sequence
 
 METHODS = ("ar",)
@@ -152,6 +151,7 @@ def cmd_generate(args) -> int:
             prompt=prompts[start + j], prompt_ids=row.prompt_ids,
             output_ids=row.output_ids, text=text, new_tokens=n,
             stop_reason=row.stop_reason, wall_s=round(res.wall_s, 4),
+            compile_s=round(res.compile_s, 3),
             # The batch shares one wall clock; per row we report the batch's.
             tokens_per_s=round(res.new_tokens / res.wall_s, 3),
             batch_size=len(chunk), method=args.method, model=args.model,

@@ -15,6 +15,7 @@ import numpy as np
 from specjax import bucketing, engine, runner
 from specjax.models.registry import load_model
 from specjax.models.tokenizer import StreamDecoder
+from specjax.sampling import SamplingParams
 
 PROMPTS = (
     "Write a Python function that checks whether a number is prime.",
@@ -36,7 +37,7 @@ def run(max_new_tokens: int = 96) -> None:
   say(f"\n>>> {PROMPTS[0]}")
   prompt_BT, lengths = bucketing.pad_prompts(ids[:1])
   dcfg = runner.decode_config(model, prompt_BT.shape[1], max_new_tokens,
-                              runner.SamplingParams())
+                              SamplingParams())
   detok, shown = StreamDecoder(model.tokenizer, skip_special_tokens=True), 0
   for state in engine.stream(model.params, prompt_BT, lengths,
                              jax.random.key(0), np.int32(max_new_tokens),
@@ -49,13 +50,13 @@ def run(max_new_tokens: int = 96) -> None:
 
   say(f"\nbatch of {len(PROMPTS)} prompts ({', '.join(str(len(i)) for i in ids)}"
       f" tokens), greedy, up to {max_new_tokens} new tokens each:")
-  runner.generate_ids(model, ids, max_new_tokens=max_new_tokens)  # compile
   res = runner.generate_ids(model, ids, max_new_tokens=max_new_tokens)
   for prompt, row in zip(PROMPTS, res.rows):
     text = model.tokenizer.decode(row.output_ids, skip_special_tokens=True)
     say(f"\n>>> {prompt}\n{text.strip()}  [{len(row.output_ids)} tokens, "
         f"{row.stop_reason}]")
-  say(f"\n{res.new_tokens} tokens in {res.wall_s:.2f} s = "
+  say(f"\n{res.new_tokens} tokens in {res.wall_s:.2f} s "
+      f"(+ {res.compile_s:.1f} s one-off compile) = "
       f"{res.new_tokens / res.wall_s:.1f} tokens/s "
       f"({res.num_steps + 1} batched steps, "
       f"{res.wall_s / (res.num_steps + 1) * 1e3:.1f} ms/step)")
