@@ -87,7 +87,8 @@ def main(argv=None):
                                    for kind in ("full", "one", "hf")]}
   read(buf).block_until_ready()
   for _ in range(args.repeats):
-    t["read"].append(timed(read, buf))
+    # Several reads per repeat: one 25 ms sample is too noisy to be a floor.
+    t["read"] += [timed(read, buf) for _ in range(5)]
     for B in batch_sizes:
       t[f"full{B}"].append(timed(runs[B], NEW_TOKENS))
       t[f"one{B}"].append(timed(runs[B], 1))
