@@ -20,14 +20,15 @@ from specjax.models.registry import Model, load_model
 from specjax.models.tokenizer import StreamDecoder, Tokenizer
 from specjax.runner import BatchResult, RowResult, generate_ids
 from specjax.sampling import SamplingParams, sample_logits, warp
+from specjax.verify import ChainResult, verify_chain
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "BatchResult", "DecodeConfig", "DecodeState", "ForwardOutput", "KVCache",
+    "BatchResult", "ChainResult", "DecodeConfig", "DecodeState", "ForwardOutput", "KVCache",
     "LlamaParams", "Model", "ModelConfig", "RopeScaling", "RowResult",
     "SamplingParams", "StreamDecoder", "Tokenizer", "bucket_length",
     "capacity_for", "forward", "generate", "generate_ids", "generate_jit",
     "init_cache", "load_model", "pad_prompts", "prefill", "prefill_jit",
-    "sample_logits", "step", "step_jit", "stream", "warp",
+    "sample_logits", "step", "step_jit", "stream", "verify_chain", "warp",
 ]
