@@ -1,7 +1,7 @@
 """Host-side padding of requests to a few static shapes.
 
-Every distinct (prompt bucket, capacity) pair compiles once; requests inside
-the same bucket reuse the compiled program (``tests/test_engine.py`` counts
+Every distinct (batch size, prompt bucket, capacity) shape compiles once;
+requests inside the same bucket reuse the compiled program (``tests/test_engine.py`` counts
 traces to prove it).
 """
 

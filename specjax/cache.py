@@ -14,8 +14,6 @@ transposed (``[B, G, H, S]``) so that q @ k is a plain batched matmul.
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -56,23 +54,13 @@ class KVCache:
     return (self.lengths[:, None]
             + jnp.arange(num_new, dtype=jnp.int32)[None, :])
 
-  def append(self, k_new: Sequence[jax.Array],
-             v_new: Sequence[jax.Array]) -> "KVCache":
-    """Writes per-layer ``[B, T, G, H]`` new entries at each row's own offset
-    (slots ``lengths[b] + arange(T)``); lengths grow by T."""
-    slots_BT = self.new_slots(k_new[0].shape[1])
-    kv = [write_kv(*args, slots_BT)
-          for args in zip(self.k, self.v, k_new, v_new)]
-    return KVCache(k=tuple(k for k, _ in kv), v=tuple(v for _, v in kv),
-                   lengths=self.lengths + slots_BT.shape[1])
-
 
 def write_kv(k_BGHS: jax.Array, v_BGSH: jax.Array, k_BTGH: jax.Array,
              v_BTGH: jax.Array, slots_BT: jax.Array):
   """One layer's cache buffers with row b's T new entries at ``slots_BT[b]``.
 
-  Slots past the capacity are dropped (the engine stops rows before that can
-  matter), so a write can never wrap or clobber valid entries. With the
+  Slots past the capacity are dropped, so a write can never wrap around and
+  clobber a row's own prefix (the engine stops rows before they fill up). With the
   buffers donated, XLA performs the scatter in place.
   """
   rows_BT = jnp.broadcast_to(jnp.arange(slots_BT.shape[0])[:, None],

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+
+import jinja2
 from typing import Optional, Sequence
 
 METHODS = ("ar",)
@@ -55,40 +57,40 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def _read_prompts(args) -> list[str]:
   if args.prompt is not None:
-    prompts = [args.prompt]
-  else:
+    if not args.prompt.strip():
+      raise UsageError("empty prompt")
+    return [args.prompt]
+  try:
+    with open(args.prompt_file, encoding="utf-8-sig") as f:
+      lines = [(i, l) for i, l in enumerate(f, 1) if l.strip()]
+  except (OSError, UnicodeDecodeError) as e:
+    raise UsageError(f"cannot read prompt file {args.prompt_file!r}: "
+                     f"{getattr(e, 'strerror', None) or e}") from None
+  prompts = []
+  for i, line in lines:
+    where = f"{args.prompt_file}:{i}"
     try:
-      with open(args.prompt_file, encoding="utf-8") as f:
-        lines = [(i, l) for i, l in enumerate(f, 1) if l.strip()]
-    except (OSError, UnicodeDecodeError) as e:
-      raise UsageError(f"cannot read prompt file {args.prompt_file!r}: "
-                       f"{getattr(e, 'strerror', None) or e}") from None
-    prompts = []
-    for i, line in lines:
-      try:
-        obj = json.loads(line)
-        prompts.append(obj["prompt"])
-      except (json.JSONDecodeError, KeyError, TypeError):
-        raise UsageError(f'{args.prompt_file}:{i}: expected a JSON object '
-                         'with a "prompt" string') from None
-    if not prompts:
-      raise UsageError(f"prompt file {args.prompt_file!r} has no prompts")
-  for i, p in enumerate(prompts):
-    if not isinstance(p, str) or not p.strip():
-      raise UsageError("empty prompt" + (f" (prompt {i + 1})"
-                                         if len(prompts) > 1 else ""))
+      prompt = json.loads(line)["prompt"]
+    except (json.JSONDecodeError, KeyError, TypeError, RecursionError):
+      raise UsageError(f'{where}: expected a JSON object with a "prompt" '
+                       "string") from None
+    if not isinstance(prompt, str):
+      raise UsageError(f'{where}: "prompt" must be a string')
+    if not prompt.strip():
+      raise UsageError(f"{where}: empty prompt")
+    prompts.append(prompt)
+  if not prompts:
+    raise UsageError(f"prompt file {args.prompt_file!r} has no prompts")
   return prompts
 
 
 def _sampling(args):
   from specjax.sampling import SamplingParams
-  if args.temperature < 0:
-    raise UsageError(f"--temperature must be >= 0, got {args.temperature}")
-  if not 0 < args.top_p <= 1:
-    raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
-  if args.top_k < 0:
-    raise UsageError(f"--top-k must be >= 0, got {args.top_k}")
-  return SamplingParams(args.temperature, args.top_k, args.top_p)
+  try:
+    return SamplingParams(args.temperature, args.top_k, args.top_p)
+  except ValueError as e:  # "top_p must be ..." -> "--top-p must be ..."
+    field, rest = str(e).split(" ", 1)
+    raise UsageError(f"--{field.replace('_', '-')} {rest}") from None
 
 
 def _load(name: str):
@@ -97,7 +99,7 @@ def _load(name: str):
   from specjax.models.weights import WeightError
   try:
     return load_model(name)
-  except (AssetError, WeightError, ValueError, FileNotFoundError) as e:
+  except (AssetError, WeightError, ValueError, OSError) as e:
     raise UsageError(str(e)) from None
 
 
@@ -107,8 +109,8 @@ def _encode(model, prompts: Sequence[str], chat: bool) -> list[list[int]]:
   for i, p in enumerate(prompts):
     try:
       ids = tok.encode_chat(p) if chat else tok.encode(p)
-    except ValueError as e:
-      raise UsageError(str(e)) from None
+    except (ValueError, jinja2.TemplateError) as e:
+      raise UsageError(f"prompt {i + 1}: {e}") from None
     if not ids:
       raise UsageError(f"prompt {i + 1} encodes to no tokens")
     out.append(ids)
@@ -124,6 +126,8 @@ def cmd_generate(args) -> int:
     raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
   if args.batch_size < 1:
     raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
+  if not 0 <= args.seed < 2**63:
+    raise UsageError(f"--seed must be in [0, 2**63), got {args.seed}")
   sampling = _sampling(args)
   prompts = _read_prompts(args)
   model = _load(args.model)
@@ -167,7 +171,9 @@ def cmd_generate(args) -> int:
 
 def cmd_demo(args) -> int:
   from specjax import demo
-  demo.run(max_new_tokens=args.max_new_tokens)
+  if args.max_new_tokens < 1:
+    raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+  demo.run(_load("smollm2-135m"), max_new_tokens=args.max_new_tokens)
   return 0
 
 

@@ -7,13 +7,12 @@ decodes a ragged batch in one ``lax.while_loop`` call and reports tokens/s.
 from __future__ import annotations
 
 import sys
-import time
 
 import jax
 import numpy as np
 
 from specjax import bucketing, engine, runner
-from specjax.models.registry import load_model
+from specjax.models.registry import Model
 from specjax.models.tokenizer import StreamDecoder
 from specjax.sampling import SamplingParams
 
@@ -25,13 +24,11 @@ PROMPTS = (
 )
 
 
-def run(max_new_tokens: int = 96) -> None:
+def run(model: Model, max_new_tokens: int = 96) -> None:
   say = lambda *a: print(*a, flush=True)
-  t0 = time.perf_counter()
-  model = load_model("smollm2-135m")
-  say(f"loaded {model.config.name}: {model.config.num_layers} layers, "
-      f"D={model.config.dim}, V={model.config.vocab_size} "
-      f"({time.perf_counter() - t0:.1f} s, backend {jax.default_backend()})")
+  say(f"{model.config.name}: {model.config.num_layers} layers, "
+      f"D={model.config.dim}, V={model.config.vocab_size}, "
+      f"backend {jax.default_backend()}")
 
   ids = [model.tokenizer.encode_chat(p) for p in PROMPTS]
   say(f"\n>>> {PROMPTS[0]}")

@@ -104,13 +104,13 @@ def prefill(params: llama.LlamaParams, prompt_BT: jax.Array,
   Args:
     prompt_BT: ``int32[B, Tp]`` prompts padded on the right (any pad id).
     prompt_lengths_B: true lengths, each in ``[1, Tp]``.
-    max_new_tokens: budget of generated tokens per row (an array: changing it
-      does not recompile).
+    max_new_tokens: budget of generated tokens per row, at least 1: the
+      prefill always samples one (an array: changing it does not recompile).
   """
   B, Tp = prompt_BT.shape
   S = dcfg.capacity
-  if Tp > S:
-    raise ValueError(f"prompt bucket {Tp} exceeds cache capacity {S}")
+  if Tp >= S:  # the first sampled token needs a slot after the prompt
+    raise ValueError(f"prompt bucket {Tp} must be below cache capacity {S}")
   lengths = jnp.asarray(prompt_lengths_B, jnp.int32)
   cache = llama.init_cache(model_cfg, B, S, params.embed.dtype)
   out = llama.forward(params, model_cfg, prompt_BT, cache,

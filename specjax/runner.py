@@ -31,7 +31,7 @@ class RowResult:
 @dataclasses.dataclass
 class BatchResult:
   """A batch's rows plus timing: ``wall_s`` is the decode call alone,
-  ``compile_s`` the one-off compile of a new shape (0 when it was cached)."""
+  ``compile_s`` the one-off compile of a new shape (~0 when it was cached)."""
   rows: list[RowResult]
   wall_s: float
   compile_s: float

@@ -11,6 +11,7 @@ the one-hot of the argmax (ties -> lowest id, like ``jnp.argmax``).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -31,9 +32,9 @@ class SamplingParams:
   top_p: float = 1.0
 
   def __post_init__(self):
-    if not self.temperature >= 0:
+    if not (math.isfinite(self.temperature) and self.temperature >= 0):
       raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-    if not 0 < self.top_p <= 1:
+    if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
       raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
     if self.top_k < 0:
       raise ValueError(f"top_k must be >= 0, got {self.top_k}")
@@ -49,7 +50,9 @@ def warp(logits_XV: jax.Array, sp: SamplingParams) -> jax.Array:
   V = logits.shape[-1]
   if sp.greedy:
     return jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
-  logits = logits / sp.temperature
+  # Shift first: the max becomes 0, so even a tiny temperature gives -inf,
+  # never NaN, for the other tokens.
+  logits = (logits - jnp.max(logits, axis=-1, keepdims=True)) / sp.temperature
   k = sp.top_k if 0 < sp.top_k < V else 0
   if k:
     top_vals = jax.lax.top_k(logits, k)[0]

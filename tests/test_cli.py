@@ -43,20 +43,33 @@ GEN = ("generate", "--max-new-tokens", "4")
     (("generate", "--prompt", "hi", "--max-new-tokens", "zero"),
      ["--max-new-tokens"]),
     (("frobnicate",), ["frobnicate"]),
+    ((*GEN, "--prompt", "hi", "--temperature", "nan"), ["--temperature"]),
+    ((*GEN, "--prompt", "hi", "--temperature", "inf"), ["--temperature"]),
+    ((*GEN, "--prompt", "hi", "--top-p", "nan"), ["--top-p"]),
+    ((*GEN, "--prompt", "hi", "--batch-size", "0"), ["--batch-size"]),
+    ((*GEN, "--prompt", "hi", "--seed", str(2**70)), ["--seed"]),
+    ((*GEN, "--prompt-file", "/"), ["cannot read prompt file"]),
+    (("demo", "--max-new-tokens", "0"), ["--max-new-tokens"]),
 ])
 def test_bad_input_exits_2_with_one_line(args, needles):
   """Invariant: each kind of bad input -> exit 2, one stderr line naming it."""
   _assert_usage_error(_cli(*args), *needles)
 
 
-def test_bad_prompt_file_lines(tmp_path):
-  """Invariant: a malformed or empty-prompt line is reported with its line number."""
+@pytest.mark.parametrize("content,needles", [
+    (b'{"prompt": "ok"}\n\nnot json\n', ["p.jsonl:3", "JSON object"]),
+    (b'{"prompt": "ok"}\n\n{"prompt": ""}\n', ["p.jsonl:3", "empty prompt"]),
+    (b'{"prompt": 5}\n', ["p.jsonl:1", "must be a string"]),
+    (b'[' * 100_000 + b'\n', ["p.jsonl:1"]),
+    (b'{"prompt": "caf\xe9"}\n', ["cannot read prompt file"]),
+    (b'\n\n', ["has no prompts"]),
+])
+def test_bad_prompt_file_lines(tmp_path, content, needles):
+  """Invariant: a malformed, non-string or empty prompt is reported with its
+  file line number (blank lines counted); undecodable or empty files too."""
   f = tmp_path / "p.jsonl"
-  f.write_text('{"prompt": "ok"}\nnot json\n')
-  _assert_usage_error(_cli(*GEN, "--prompt-file", str(f)), "p.jsonl:2")
-  f.write_text('{"prompt": "ok"}\n{"prompt": ""}\n')
-  _assert_usage_error(_cli(*GEN, "--prompt-file", str(f)), "empty prompt",
-                      "prompt 2")
+  f.write_bytes(content)
+  _assert_usage_error(_cli(*GEN, "--prompt-file", str(f)), *needles)
 
 
 def test_missing_asset_names_install_command():
@@ -86,11 +99,15 @@ def test_generate_json_contract(tmp_path):
     assert proc.returncode == 0, proc.stderr
     outs.append([json.loads(l) for l in proc.stdout.splitlines()])
   rows = outs[0]
-  assert len(rows) == 2
+  assert [r["prompt"] for r in rows] == ["Name a color.", "Count to three."]
+  from specjax.assets import smollm2_gguf
+  from specjax.models.gguf_loader import gguf
+  from specjax.models.tokenizer import Tokenizer
+  tok = Tokenizer.from_gguf(gguf.GGUFReader(str(smollm2_gguf())))
   for r in rows:
-    for key in ("prompt_ids", "output_ids", "text", "new_tokens", "wall_s",
-                "tokens_per_s"):
-      assert key in r
-    assert r["new_tokens"] == len(r["output_ids"]) <= 6
-    assert r["tokens_per_s"] > 0
+    assert r["prompt_ids"] == tok.encode_chat(r["prompt"])
+    assert r["new_tokens"] == len(r["output_ids"])
+    assert r["new_tokens"] == 6 or r["stop_reason"] == "eos"
+    assert r["text"] == tok.decode(r["output_ids"], skip_special_tokens=True)
+    assert r["tokens_per_s"] > 0 and r["wall_s"] > 0
   assert [r["output_ids"] for r in rows] == [r["output_ids"] for r in outs[1]]

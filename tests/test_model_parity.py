@@ -110,3 +110,43 @@ def test_missing_tensor_and_bad_arch_errors(tmp_path):
   (tmp_path / "config.json").write_text(json.dumps(cfg))
   with pytest.raises(WeightError, match="unsupported model_type 'gpt2'"):
     load_hf(tmp_path)
+
+
+def test_tree_mask_and_positions(tiny):
+  """Invariant: with a tree mask and depth positions, each new token sees
+  exactly its ancestors: on top of a cached prefix, siblings x1 and x2 (both
+  children of x0) give the logits of the chains prefix+x0+x1 and prefix+x0+x2."""
+  _, cfg, params = tiny
+  seq = np.asarray(jax.random.randint(jax.random.key(6), (1, 7), 0,
+                                      cfg.vocab_size))
+  prefix, x0, x1, x2 = seq[:, :4], seq[:, 4:5], seq[:, 5:6], seq[:, 6:7]
+  cache = llama.forward(params, cfg, jnp.asarray(prefix),
+                        llama.init_cache(cfg, 1, S)).cache
+  mask = jnp.array([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], bool)
+  tree = llama.forward(params, cfg, jnp.asarray(np.concatenate([x0, x1, x2], 1)),
+                       cache, positions_BT=jnp.array([[4, 5, 5]]),
+                       mask_BTT=mask)
+  for node, leaf in ((1, x1), (2, x2)):
+    chain = np.concatenate([prefix, x0, leaf], 1)
+    ref = llama.forward(params, cfg, jnp.asarray(chain),
+                        llama.init_cache(cfg, 1, S)).logits
+    np.testing.assert_allclose(tree.logits[0, node], ref[0, -1], atol=2e-5)
+  np.testing.assert_allclose(tree.logits[0, 0], ref[0, 4], atol=2e-5)
+
+
+def test_cache_write_drops_past_capacity():
+  """Invariant: writes land at each row's own offset and slots past the
+  capacity are dropped instead of wrapping onto the row's prefix."""
+  from specjax.cache import write_kv
+  B, G, H, S_ = 2, 2, 3, 5
+  k = jnp.zeros((B, G, H, S_))
+  v = jnp.zeros((B, G, S_, H))
+  new = jnp.arange(1, 1 + B * 3 * G * H, dtype=jnp.float32).reshape(B, 3, G, H)
+  slots = jnp.array([[3, 4, 5], [4, 5, 6]])
+  k2, v2 = write_kv(k, v, new, new, slots)
+  np.testing.assert_array_equal(v2[0, :, 3], new[0, 0])
+  np.testing.assert_array_equal(v2[0, :, 4], new[0, 1])
+  np.testing.assert_array_equal(v2[1, :, 4], new[1, 0])
+  np.testing.assert_array_equal(k2[1, :, :, 4], new[1, 0])
+  assert float(jnp.abs(v2[0, :, :3]).sum() + jnp.abs(v2[1, :, :4]).sum()) == 0
+  assert float(jnp.abs(k2[0, :, :, :3]).sum()) == 0

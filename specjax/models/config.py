@@ -63,7 +63,3 @@ class ModelConfig:
   def group_size(self) -> int:
     """R = N // G query heads share one kv head."""
     return self.num_heads // self.num_kv_heads
-
-  def default_taps(self) -> tuple[int, int, int]:
-    """EAGLE-3's low/mid/high feature taps: inputs of layers 2, L//2, L-3."""
-    return (2, self.num_layers // 2, self.num_layers - 3)

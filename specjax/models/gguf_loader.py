@@ -114,6 +114,7 @@ def load_gguf(path: str | pathlib.Path, dtype=jnp.float32, name: str = ""):
   reader = gguf.GGUFReader(str(path))
   cfg = config_from_gguf(reader, name or path.stem)
   arch = _field(reader, "general.architecture")
+  gguf_names = {_hf_name(g): g for g in _gguf_names(cfg.num_layers)}
   by_name = {}
   for t in reader.tensors:
     hf = _hf_name(t.name)
@@ -123,10 +124,8 @@ def load_gguf(path: str | pathlib.Path, dtype=jnp.float32, name: str = ""):
   def get(hf_name: str) -> Optional[np.ndarray]:
     t = by_name.get(hf_name)
     if t is None:  # only tensors the config requires are ever asked for
-      gguf_name = next((g for g in _gguf_names(cfg.num_layers)
-                        if _hf_name(g) == hf_name), hf_name)
-      raise WeightError(f"GGUF file is missing tensor {gguf_name!r} "
-                        f"({hf_name})")
+      raise WeightError(f"GGUF file is missing tensor "
+                        f"{gguf_names.get(hf_name, hf_name)!r} ({hf_name})")
     try:
       w = gguf.quants.dequantize(t.data, t.tensor_type)
     except NotImplementedError:

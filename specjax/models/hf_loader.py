@@ -37,10 +37,17 @@ def _rope(cfg: dict) -> tuple[float, RopeScaling | None]:
 
 
 def config_from_hf(cfg: dict, name: str = "hf") -> ModelConfig:
+  if not isinstance(cfg, dict):
+    raise WeightError("config.json is not a JSON object")
+  missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers",
+                         "num_attention_heads", "intermediate_size")
+             if k not in cfg]
   mtype = cfg.get("model_type")
   if mtype not in SUPPORTED_MODEL_TYPES:
     raise WeightError(f"unsupported model_type {mtype!r} "
                       f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+  if missing:
+    raise WeightError(f"config.json lacks {', '.join(missing)}")
   heads = int(cfg["num_attention_heads"])
   dim = int(cfg["hidden_size"])
   theta, scaling = _rope(cfg)
@@ -67,7 +74,11 @@ def load_hf(path: str | pathlib.Path, dtype=jnp.float32):
   cfg_file = path / "config.json"
   if not cfg_file.is_file():
     raise FileNotFoundError(f"no config.json in {path}")
-  cfg = config_from_hf(json.loads(cfg_file.read_text()), path.name)
+  try:
+    raw = json.loads(cfg_file.read_text())
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise WeightError(f"{cfg_file} is not valid JSON: {e}") from None
+  cfg = config_from_hf(raw, path.name)
   files = sorted(path.glob("*.safetensors"))
   if not files:
     raise FileNotFoundError(f"no *.safetensors files in {path}")
