@@ -1,0 +1,60 @@
+"""specjax.theory against exact values and against the real chain verifier."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import theory, verify
+
+
+@pytest.mark.parametrize("alpha,k,expected", [
+    (0.6, 5, 2.38336), (0.9, 5, 4.68559), (0.8, 8, 4.32891), (0.0, 7, 1.0),
+    (1.0, 7, 8.0)])
+def test_expected_tokens_exact(alpha, k, expected):
+  """Invariant: E = (1 − α^(K+1)) / (1 − α): α 0.6 → 2.38 and α 0.9 → 4.69 at
+  K = 5 (the lesson's 2.2 and 4.1 are (1 − α^K)/(1 − α): one token short)."""
+  assert theory.expected_tokens(alpha, k) == pytest.approx(expected, abs=1e-5)
+  assert theory.expected_tokens(0.9, 5) - (1 - 0.9 ** 5) / 0.1 == pytest.approx(
+      0.9 ** 5)
+
+
+@pytest.mark.parametrize("alpha,c,k,speedup", [(0.8, 0.05, 8, 3.09),
+                                               (0.95, 0.02, 31, 9.95)])
+def test_optimal_k_exact(alpha, c, k, speedup):
+  """Invariant: with wall time (K·c + 1)/E, α=0.8, c=0.05 is optimal at K=8
+  (3.09×) and α=0.95, c=0.02 at K=31 (9.95×), not the lesson's rounded
+  N ≈ 5-7 / 8-10."""
+  opt = theory.optimal_k(alpha, c)
+  assert opt.k == k
+  assert opt.speedup == pytest.approx(speedup, abs=0.005)
+
+
+def test_lesson_range_for_high_alpha():
+  """Invariant: at α=0.95, c=0.02 the lesson's N = 8-10 gives 6.4-7.2×."""
+  s = [theory.speedup(0.95, k, 0.02) for k in (8, 9, 10)]
+  assert s[0] == pytest.approx(6.4, abs=0.05)
+  assert s[-1] == pytest.approx(7.2, abs=0.05)
+
+
+def test_verify_cost_curve_moves_the_optimum():
+  """Invariant: a verify cost growing with K (measured curves do) lowers the
+  optimal K compared with the idealised constant cost."""
+  flat = theory.optimal_k(0.8, 0.05)
+  rising = theory.optimal_k(0.8, 0.05, verify_cost=lambda k: 1 + 0.1 * k)
+  assert rising.k < flat.k and rising.speedup < flat.speedup
+
+
+@pytest.mark.parametrize("alpha", [0.5, 0.8, 0.95])
+def test_monte_carlo_with_real_verifier(alpha):
+  """Invariant: the real chain verifier, fed a deterministic drafter whose
+  every draft the target accepts with probability α (q(draft) = α), emits on
+  average (1 − α^(K+1))/(1 − α) tokens per verify: |mean − E| < 4 standard
+  errors over 20,000 verifications."""
+  n, k, v = 20_000, 6, 5
+  q = jnp.full((n, k + 1, v), (1 - alpha) / (v - 1)).at[:, :, 0].set(alpha)
+  res = verify.verify_chain(jnp.zeros((n, k), jnp.int32), None, q,
+                            jnp.full((n,), k), jax.random.key(int(alpha * 100)))
+  emitted = np.asarray(res.num_emitted, np.float64)
+  se = emitted.std() / np.sqrt(n)
+  assert abs(emitted.mean() - theory.expected_tokens(alpha, k)) < 4 * se
