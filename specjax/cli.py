@@ -13,7 +13,7 @@ import sys
 import jinja2
 from typing import Optional, Sequence
 
-METHODS = ("ar",)
+METHODS = ("ar", "ngram")
 EXIT_USAGE = 2
 
 
@@ -38,6 +38,8 @@ def _build_parser() -> argparse.ArgumentParser:
   src.add_argument("--prompt", help="prompt text")
   src.add_argument("--prompt-file",
                    help='JSONL file, one {"prompt": ...} object per line')
+  g.add_argument("--num-draft", type=int, default=4,
+                 help="K, drafts per verify step (speculative methods)")
   g.add_argument("--max-new-tokens", type=int, default=128)
   g.add_argument("--temperature", type=float, default=0.0,
                  help="0 = greedy (default)")
@@ -128,6 +130,12 @@ def cmd_generate(args) -> int:
     raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
   if not 0 <= args.seed < 2**63:
     raise UsageError(f"--seed must be in [0, 2**63), got {args.seed}")
+  drafter = None
+  if args.method == "ngram":
+    from specjax.drafters import NGramDrafter
+    drafter = NGramDrafter()
+  if drafter is not None and args.num_draft < 1:
+    raise UsageError(f"--num-draft must be >= 1, got {args.num_draft}")
   sampling = _sampling(args)
   prompts = _read_prompts(args)
   model = _load(args.model)
@@ -146,7 +154,8 @@ def cmd_generate(args) -> int:
   for start in bar:
     chunk = ids[start:start + args.batch_size]
     res = runner.generate_ids(model, chunk, max_new_tokens=args.max_new_tokens,
-                              sampling=sampling, seed=args.seed + start)
+                              sampling=sampling, seed=args.seed + start,
+                              drafter=drafter, num_draft=args.num_draft)
     for j, row in enumerate(res.rows):
       text = model.tokenizer.decode(row.output_ids, skip_special_tokens=True)
       if args.json:
@@ -159,6 +168,9 @@ def cmd_generate(args) -> int:
             # The batch shares one wall clock; per row we report the batch's.
             tokens_per_s=round(res.new_tokens / res.wall_s, 3),
             batch_size=len(chunk), method=args.method, model=args.model,
+            num_draft=args.num_draft if drafter else 0,
+            target_forwards=row.target_forwards, tau=round(row.tau, 3),
+            accepted_at=row.accepted_at,
             temperature=args.temperature, top_k=args.top_k,
             top_p=args.top_p, seed=args.seed), ensure_ascii=False))
       else:

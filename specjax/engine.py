@@ -1,5 +1,11 @@
 """The decode engine: ``prefill``, ``step`` and ``generate`` over a ``DecodeState``.
 
+One engine for autoregressive and speculative decoding. A step proposes up to
+K drafts per row (``DecodeConfig.drafter``; none = AR, K = 0), runs one target
+forward over ``[newest token, drafts]``, verifies them exactly
+(``verify.verify_chain``), writes each row's emitted tokens at its own offset
+and rolls the target cache back by setting its lengths.
+
 Everything here is a pure function: ``generate`` is one ``lax.while_loop`` of
 ``step`` and can be traced inside a caller's own ``jax.jit`` (no host
 callbacks, no Python branching on traced values, no hidden state). The
@@ -10,12 +16,14 @@ for notebooks.
 Token bookkeeping: ``tokens[b, :num_tokens[b]]`` is row b's prompt plus what
 it generated; the last of these has been sampled but not yet fed to the model,
 so the target cache always holds ``num_tokens - 1`` entries while a row runs.
+A step writes K + 1 cache entries from slot ``num_tokens - 1`` on; only the
+accepted ones stay below the new length, the rest are masked and overwritten.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator
+from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +32,8 @@ from flax import struct
 from specjax.cache import KVCache
 from specjax.models import llama
 from specjax.models.config import ModelConfig
-from specjax.sampling import SamplingParams, sample_logits
+from specjax.sampling import SamplingParams, sample_logits, warp
+from specjax.verify import verify_chain
 
 # Per-row stop reasons (``DecodeState.stop_reason``).
 RUNNING, STOP_EOS, STOP_BUDGET, STOP_CAPACITY = 0, 1, 2, 3
@@ -38,13 +47,23 @@ class DecodeConfig:
 
   Attributes:
     capacity: S, slots of the KV cache and of the token buffer. Pick it from
-      ``bucketing.capacity_for`` so nearby request sizes share one compile.
-    sampling: warping and temperature (0 = greedy).
+      ``bucketing.capacity_for`` (with ``extra = num_draft + 1``) so nearby
+      request sizes share one compile.
+    sampling: warping and temperature (0 = greedy), shared by drafter and
+      target.
     eos_ids: tokens that end a row (the EOS itself is kept in the output).
+    drafter: a drafter (``specjax.drafters``) or None for plain AR decoding.
+    num_draft: K, drafts per step (ignored without a drafter).
   """
   capacity: int
   sampling: SamplingParams = SamplingParams()
   eos_ids: tuple[int, ...] = ()
+  drafter: Any = None
+  num_draft: int = 0
+
+  @property
+  def k(self) -> int:
+    return self.num_draft if self.drafter is not None else 0
 
 
 @struct.dataclass
@@ -58,8 +77,13 @@ class DecodeState:
     max_new_tokens: ``int32[]`` per-row budget of generated tokens.
     stop_reason: ``int32[B]``: RUNNING, STOP_EOS, STOP_BUDGET or STOP_CAPACITY.
     cache: target KV cache, ``lengths == num_tokens - 1`` while running.
+    drafter_state: the drafter's own state (e.g. its cache), or None.
     key: PRNG key for the next step.
-    num_steps: ``int32[]`` target forwards after the prefill.
+    num_steps: ``int32[]`` target forwards after the prefill (batch-wide).
+    num_forwards: ``int32[B]`` target forwards each row took part in while
+      running (after the prefill).
+    num_drafted: ``int32[B]`` drafts proposed to the row.
+    accepted_at: ``int32[B, K]`` how often draft position i was accepted.
   """
   tokens: jax.Array
   num_tokens: jax.Array
@@ -67,8 +91,12 @@ class DecodeState:
   max_new_tokens: jax.Array
   stop_reason: jax.Array
   cache: KVCache
+  drafter_state: Any
   key: jax.Array
   num_steps: jax.Array
+  num_forwards: jax.Array
+  num_drafted: jax.Array
+  accepted_at: jax.Array
 
   @property
   def done(self) -> jax.Array:
@@ -79,15 +107,15 @@ class DecodeState:
     return self.num_tokens - self.prompt_lengths
 
 
-def _update_stops(state: DecodeState, last_tok_B: jax.Array,
+def _update_stops(state: DecodeState, hit_eos_B: jax.Array,
                   dcfg: DecodeConfig) -> DecodeState:
   """Marks rows that just stopped; the first reason to fire wins."""
-  is_eos = jnp.isin(last_tok_B, jnp.asarray(dcfg.eos_ids or (-1,), jnp.int32))
   clauses = (
-      (STOP_EOS, is_eos),
+      (STOP_EOS, hit_eos_B),
       (STOP_BUDGET, state.num_new_tokens >= state.max_new_tokens),
-      # The newest token must still fit in the cache when it is fed.
-      (STOP_CAPACITY, state.num_tokens >= dcfg.capacity),
+      # A step writes K + 1 entries from slot num_tokens - 1 and may emit
+      # K + 1 tokens: both must fit.
+      (STOP_CAPACITY, state.num_tokens + dcfg.k >= dcfg.capacity),
   )
   reason = state.stop_reason
   for code, fired in reversed(clauses):
@@ -95,10 +123,14 @@ def _update_stops(state: DecodeState, last_tok_B: jax.Array,
   return state.replace(stop_reason=reason)
 
 
+def _is_eos(tokens, dcfg: DecodeConfig):
+  return jnp.isin(tokens, jnp.asarray(dcfg.eos_ids or (-1,), jnp.int32))
+
+
 def prefill(params: llama.LlamaParams, prompt_BT: jax.Array,
             prompt_lengths_B: jax.Array, key: jax.Array,
             max_new_tokens: jax.Array | int, *, model_cfg: ModelConfig,
-            dcfg: DecodeConfig) -> DecodeState:
+            dcfg: DecodeConfig, drafter_params: Any = None) -> DecodeState:
   """Runs the prompts (right-padded to a bucket) and samples each first token.
 
   Args:
@@ -106,6 +138,7 @@ def prefill(params: llama.LlamaParams, prompt_BT: jax.Array,
     prompt_lengths_B: true lengths, each in ``[1, Tp]``.
     max_new_tokens: budget of generated tokens per row, at least 1: the
       prefill always samples one (an array: changing it does not recompile).
+    drafter_params: the drafter's parameters (a pytree), if it has any.
   """
   B, Tp = prompt_BT.shape
   S = dcfg.capacity
@@ -119,50 +152,88 @@ def prefill(params: llama.LlamaParams, prompt_BT: jax.Array,
   first_B = sample_logits(out.logits[:, 0], dcfg.sampling, sub)
   tokens = jnp.zeros((B, S), jnp.int32).at[:, :Tp].set(prompt_BT)
   tokens = tokens.at[jnp.arange(B), lengths].set(first_B, mode="drop")
+  drafter_state = None
+  if dcfg.drafter is not None:
+    drafter_state = dcfg.drafter.init(drafter_params, prompt_BT, lengths)
+  zeros_B = jnp.zeros((B,), jnp.int32)
   state = DecodeState(
       tokens=tokens, num_tokens=lengths + 1, prompt_lengths=lengths,
       max_new_tokens=jnp.asarray(max_new_tokens, jnp.int32),
-      stop_reason=jnp.zeros((B,), jnp.int32),
-      cache=out.cache.with_lengths(lengths), key=key,
-      num_steps=jnp.zeros((), jnp.int32))
-  return _update_stops(state, first_B, dcfg)
+      stop_reason=zeros_B, cache=out.cache.with_lengths(lengths),
+      drafter_state=drafter_state, key=key,
+      num_steps=jnp.zeros((), jnp.int32), num_forwards=zeros_B,
+      num_drafted=zeros_B, accepted_at=jnp.zeros((B, dcfg.k), jnp.int32))
+  return _update_stops(state, _is_eos(first_B, dcfg), dcfg)
 
 
 def step(params: llama.LlamaParams, state: DecodeState, *,
-         model_cfg: ModelConfig, dcfg: DecodeConfig) -> DecodeState:
-  """One target forward: feeds each row's newest token, samples the next.
+         model_cfg: ModelConfig, dcfg: DecodeConfig,
+         drafter_params: Any = None) -> DecodeState:
+  """Propose -> one target forward -> verify -> write -> roll back -> stop.
 
   Rows already stopped still ride along in the batch (fixed shapes) but their
-  tokens, lengths and cache lengths do not move.
+  tokens, lengths and statistics do not move.
   """
-  B = state.tokens.shape[0]
+  B, S, K = state.tokens.shape[0], dcfg.capacity, dcfg.k
   rows = jnp.arange(B)
+  live_B = ~state.done
+  key, k_draft, k_verify = jax.random.split(state.key, 3)
+  drafter_state = state.drafter_state
+  if K:
+    prop = dcfg.drafter.propose(drafter_params, drafter_state, state.tokens,
+                                state.num_tokens, k_draft, K, dcfg.sampling)
+    draft_BK, draft_probs, num_draft_B = prop.tokens, prop.probs, prop.num_draft
+    drafter_state = prop.state
+  else:
+    draft_BK = jnp.zeros((B, 0), jnp.int32)
+    draft_probs, num_draft_B = None, jnp.zeros((B,), jnp.int32)
+
   last_B = state.tokens[rows, state.num_tokens - 1]
-  out = llama.forward(params, model_cfg, last_B[:, None], state.cache)
-  key, sub = jax.random.split(state.key)
-  next_B = sample_logits(out.logits[:, 0], dcfg.sampling, sub)
-  live = ~state.done
-  tokens = state.tokens.at[rows, jnp.where(live, state.num_tokens, dcfg.capacity)
-                           ].set(next_B, mode="drop")
-  num_tokens = state.num_tokens + live
+  block_BT = jnp.concatenate([last_B[:, None], draft_BK], axis=1)
+  out = llama.forward(params, model_cfg, block_BT, state.cache)
+  res = verify_chain(draft_BK, draft_probs, warp(out.logits, dcfg.sampling),
+                     num_draft_B, k_verify, greedy=dcfg.sampling.greedy)
+
+  # Emit the verified tokens, cut after an EOS, at the budget and the buffer.
+  idx_T = jnp.arange(K + 1)[None, :]
+  eos_BT = _is_eos(res.tokens, dcfg) & (idx_T < res.num_emitted[:, None])
+  first_eos_B = jnp.where(jnp.any(eos_BT, axis=1),
+                          jnp.argmax(eos_BT, axis=1), K + 1)
+  n_B = jnp.minimum(res.num_emitted, first_eos_B + 1)
+  n_B = jnp.minimum(n_B, state.max_new_tokens - state.num_new_tokens)
+  n_B = jnp.where(live_B, jnp.minimum(n_B, S - state.num_tokens), 0)
+  slots_BT = jnp.where(idx_T < n_B[:, None], state.num_tokens[:, None] + idx_T,
+                       S)
+  tokens = state.tokens.at[rows[:, None], slots_BT].set(res.tokens,
+                                                        mode="drop")
+  num_tokens = state.num_tokens + n_B
+  if K:
+    drafter_state = dcfg.drafter.commit(drafter_params, drafter_state, tokens,
+                                        num_tokens)
+  acc_BK = (jnp.arange(K)[None, :] < res.num_accepted[:, None]) & live_B[:, None]
   state = state.replace(
       tokens=tokens, num_tokens=num_tokens,
-      cache=out.cache.with_lengths(jnp.where(live, num_tokens - 1,
+      cache=out.cache.with_lengths(jnp.where(live_B, num_tokens - 1,
                                              state.cache.lengths)),
-      key=key, num_steps=state.num_steps + 1)
-  return _update_stops(state, jnp.where(live, next_B, -1), dcfg)
+      drafter_state=drafter_state, key=key, num_steps=state.num_steps + 1,
+      num_forwards=state.num_forwards + live_B,
+      num_drafted=state.num_drafted + jnp.where(live_B, num_draft_B, 0),
+      accepted_at=state.accepted_at + acc_BK)
+  hit_eos_B = jnp.any(eos_BT & (idx_T < n_B[:, None]), axis=1)
+  return _update_stops(state, hit_eos_B, dcfg)
 
 
 def generate(params: llama.LlamaParams, prompt_BT: jax.Array,
              prompt_lengths_B: jax.Array, key: jax.Array,
              max_new_tokens: jax.Array | int, *, model_cfg: ModelConfig,
-             dcfg: DecodeConfig) -> DecodeState:
+             dcfg: DecodeConfig, drafter_params: Any = None) -> DecodeState:
   """Prefill then ``step`` until every row has stopped, in one while_loop."""
   state = prefill(params, prompt_BT, prompt_lengths_B, key, max_new_tokens,
-                  model_cfg=model_cfg, dcfg=dcfg)
+                  model_cfg=model_cfg, dcfg=dcfg, drafter_params=drafter_params)
   return jax.lax.while_loop(
       lambda s: jnp.any(~s.done),
-      lambda s: step(params, s, model_cfg=model_cfg, dcfg=dcfg),
+      lambda s: step(params, s, model_cfg=model_cfg, dcfg=dcfg,
+                     drafter_params=drafter_params),
       state)
 
 
@@ -173,8 +244,8 @@ generate_jit = jax.jit(generate, static_argnames=_STATIC)
 
 
 def stream(params: llama.LlamaParams, prompt_BT, prompt_lengths_B, key,
-           max_new_tokens, *, model_cfg: ModelConfig, dcfg: DecodeConfig
-           ) -> Iterator[DecodeState]:
+           max_new_tokens, *, model_cfg: ModelConfig, dcfg: DecodeConfig,
+           drafter_params: Any = None) -> Iterator[DecodeState]:
   """Yields the state after the prefill and after every step (same jitted step).
 
   For notebooks and streaming UIs: each yielded state's ``tokens`` hold
@@ -182,8 +253,10 @@ def stream(params: llama.LlamaParams, prompt_BT, prompt_lengths_B, key,
   need from a yielded state before advancing the iterator.
   """
   state = prefill_jit(params, prompt_BT, prompt_lengths_B, key, max_new_tokens,
-                      model_cfg=model_cfg, dcfg=dcfg)
+                      model_cfg=model_cfg, dcfg=dcfg,
+                      drafter_params=drafter_params)
   yield state
   while not bool(jnp.all(state.done)):
-    state = step_jit(params, state, model_cfg=model_cfg, dcfg=dcfg)
+    state = step_jit(params, state, model_cfg=model_cfg, dcfg=dcfg,
+                     drafter_params=drafter_params)
     yield state

@@ -22,10 +22,22 @@ from specjax.sampling import SamplingParams
 
 @dataclasses.dataclass
 class RowResult:
-  """One prompt's generation (new tokens only, EOS included if it stopped there)."""
+  """One prompt's generation (new tokens only, EOS included if it stopped there).
+
+  ``target_forwards`` counts verify steps after the prefill; ``accepted_at[i]``
+  how often draft position i was accepted (empty for AR).
+  """
   prompt_ids: list[int]
   output_ids: list[int]
   stop_reason: str
+  target_forwards: int = 0
+  num_drafted: int = 0
+  accepted_at: list[int] = dataclasses.field(default_factory=list)
+
+  @property
+  def tau(self) -> float:
+    """Tokens emitted per target forward (the prefill's first token excluded)."""
+    return (len(self.output_ids) - 1) / max(self.target_forwards, 1)
 
 
 @dataclasses.dataclass
@@ -43,15 +55,19 @@ class BatchResult:
 
 
 def decode_config(model: Model, prompt_bucket: int, max_new_tokens: int,
-                  sampling: SamplingParams) -> engine.DecodeConfig:
-  capacity = bucketing.capacity_for(prompt_bucket, max_new_tokens)
+                  sampling: SamplingParams, drafter=None,
+                  num_draft: int = 0) -> engine.DecodeConfig:
+  k = num_draft if drafter is not None else 0
+  capacity = bucketing.capacity_for(prompt_bucket, max_new_tokens, extra=k + 1)
   return engine.DecodeConfig(capacity=capacity, sampling=sampling,
-                             eos_ids=model.config.eos_ids)
+                             eos_ids=model.config.eos_ids, drafter=drafter,
+                             num_draft=k)
 
 
 def generate_ids(model: Model, prompts: Sequence[Sequence[int]], *,
                  max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
-                 seed: int = 0) -> BatchResult:
+                 seed: int = 0, drafter=None, num_draft: int = 0
+                 ) -> BatchResult:
   """Generates for a batch of token-id prompts in one compiled call.
 
   Each (batch, prompt bucket, capacity, config) shape is compiled once per
@@ -61,7 +77,8 @@ def generate_ids(model: Model, prompts: Sequence[Sequence[int]], *,
     raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
   pad_id = model.tokenizer.pad_id or 0
   prompt_BT, lengths_B = bucketing.pad_prompts(prompts, pad_id)
-  dcfg = decode_config(model, prompt_BT.shape[1], max_new_tokens, sampling)
+  dcfg = decode_config(model, prompt_BT.shape[1], max_new_tokens, sampling,
+                       drafter, num_draft)
   args = (model.params, prompt_BT, lengths_B, jax.random.key(seed),
           np.int32(max_new_tokens))
   start = time.perf_counter()
@@ -69,12 +86,15 @@ def generate_ids(model: Model, prompts: Sequence[Sequence[int]], *,
   compile_s = time.perf_counter() - start
   start = time.perf_counter()
   state = run(*args)
-  tokens, num, reasons, steps = jax.device_get(
-      (state.tokens, state.num_tokens, state.stop_reason, state.num_steps))
+  tokens, num, reasons, steps, fwd, drafted, acc = jax.device_get(
+      (state.tokens, state.num_tokens, state.stop_reason, state.num_steps,
+       state.num_forwards, state.num_drafted, state.accepted_at))
   wall = time.perf_counter() - start
   rows = [RowResult(prompt_ids=list(map(int, p)),
                     output_ids=tokens[b, lengths_B[b]:num[b]].tolist(),
-                    stop_reason=engine.STOP_NAMES[int(reasons[b])])
+                    stop_reason=engine.STOP_NAMES[int(reasons[b])],
+                    target_forwards=int(fwd[b]), num_drafted=int(drafted[b]),
+                    accepted_at=acc[b].tolist())
           for b, p in enumerate(prompts)]
   return BatchResult(rows=rows, wall_s=wall, compile_s=compile_s,
                      num_steps=int(steps))

@@ -34,6 +34,8 @@ GEN = ("generate", "--max-new-tokens", "4")
     ((*GEN, "--prompt", "hi", "--top-p", "1.5"), ["--top-p"]),
     ((*GEN, "--prompt", "hi", "--top-k", "-1"), ["--top-k"]),
     ((*GEN, "--prompt", "hi", "--method", "medusa9"), ["unknown method"]),
+    ((*GEN, "--prompt", "hi", "--method", "ngram", "--num-draft", "0"),
+     ["--num-draft"]),
     ((*GEN, "--prompt", "hi", "--model", "gpt-17"), ["unknown model 'gpt-17'"]),
     ((*GEN, "--prompt", "hi", "--model", "/no/such/model.gguf"),
      ["model path not found"]),

@@ -69,10 +69,10 @@ def test_stop_clauses(tiny):
     assert row == free_row[:cut]
     assert int(reason) == (engine.STOP_EOS if eos in free_row
                            else engine.STOP_BUDGET)
-  # capacity 32 with the 8-token prompt in a 32 bucket: 24 tokens fit.
-  outs, state = _run(params, cfg, PROMPTS, 100, engine.DecodeConfig(capacity=32))
+  # capacity 40 (prompts padded to 32): each row fills all 40 slots.
+  outs, state = _run(params, cfg, PROMPTS, 100, engine.DecodeConfig(capacity=40))
   for prompt, row, reason in zip(PROMPTS, outs, state.stop_reason):
-    assert len(prompt) + len(row) == 32
+    assert len(prompt) + len(row) == 40
     assert int(reason) == engine.STOP_CAPACITY
 
 
@@ -102,11 +102,11 @@ def test_no_recompilation_within_bucket(tiny, monkeypatch):
   real_prefill = engine.prefill
   monkeypatch.setattr(engine, "prefill",
                       lambda *a, **k: traces.append(1) or real_prefill(*a, **k))
-  dcfg = engine.DecodeConfig(capacity=64)
+  dcfg = engine.DecodeConfig(capacity=96)
   _run(params, cfg, [[1, 2, 3]], 5, dcfg)
   _run(params, cfg, [list(range(1, 20))], 9, dcfg)
   assert len(traces) == 1
-  _run(params, cfg, [list(range(1, 40))], 5, dcfg)  # bucket 64
+  _run(params, cfg, [[i % 30 + 1 for i in range(39)]], 5, dcfg)  # bucket 64
   assert len(traces) == 2
 
 
@@ -160,3 +160,11 @@ def test_sampled_first_token_distribution(tiny):
   expected = probs[support] * n
   stat = ((drawn[support] - expected) ** 2 / expected).sum()
   assert stat < scipy.stats.chi2.ppf(0.999, support.sum() - 1)
+
+
+def test_prefill_needs_a_free_slot(tiny):
+  """Invariant: a prompt bucket as large as the capacity is refused, since
+  the first sampled token would have nowhere to go."""
+  cfg, params = tiny
+  with pytest.raises(ValueError, match="below cache capacity"):
+    _run(params, cfg, [[1, 2, 3]], 4, engine.DecodeConfig(capacity=32))

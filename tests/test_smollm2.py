@@ -56,3 +56,19 @@ def test_greedy_matches_transformers_ragged_batch(smollm2, hf_model):
     assert row.output_ids == ref_new
     assert row.stop_reason == ("eos" if ref_new[-1] in smollm2.config.eos_ids
                                else "length")
+
+
+def test_ngram_speculative_greedy_identity(smollm2):
+  """Invariant: at T = 0, n-gram speculative decoding of a ragged batch of 4
+  chat prompts equals AR decoding token for token on SmolLM2, with fewer
+  target forwards than tokens (drafts were accepted)."""
+  from specjax.drafters import NGramDrafter
+  prompts = [smollm2.tokenizer.encode_chat(p) for p in PROMPTS]
+  ar = runner.generate_ids(smollm2, prompts, max_new_tokens=48)
+  spec = runner.generate_ids(smollm2, prompts, max_new_tokens=48,
+                             drafter=NGramDrafter(), num_draft=4)
+  for a, s in zip(ar.rows, spec.rows):
+    assert s.output_ids == a.output_ids
+    assert s.stop_reason == a.stop_reason
+  assert spec.num_steps < ar.num_steps
+  assert sum(sum(r.accepted_at) for r in spec.rows) > 0

@@ -1,0 +1,21 @@
+"""Drafters: where speculative tokens come from.
+
+A drafter is a frozen (hashable) dataclass -- a static argument of the jitted
+engine -- with three pure methods; its parameters (if any) travel separately
+as a pytree argument and its mutable state (e.g. its own KV cache) lives in
+``DecodeState.drafter_state``:
+
+  init(params, prompt_BT, prompt_lengths_B) -> drafter_state
+  propose(params, drafter_state, tokens_BS, num_tokens_B, key, num_draft,
+          sampling) -> Proposal
+  commit(params, drafter_state, tokens_BS, num_tokens_B) -> drafter_state
+
+``propose`` sees each row's committed tokens (``tokens[b, :num_tokens[b]]``)
+and returns up to K drafts per row; ``commit`` runs after verification with
+the new ``num_tokens`` so the drafter can roll its own state back by lengths.
+"""
+
+from specjax.drafters.base import Proposal
+from specjax.drafters.ngram import NGramDrafter
+
+__all__ = ["NGramDrafter", "Proposal"]
