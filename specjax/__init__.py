@@ -12,6 +12,7 @@ Public API (everything else is an implementation detail):
 
 from specjax.bucketing import bucket_length, capacity_for, pad_prompts
 from specjax.cache import KVCache
+from specjax.drafters import DraftModelDrafter, NGramDrafter, Proposal
 from specjax.engine import (DecodeConfig, DecodeState, generate, generate_jit,
                             prefill, prefill_jit, step, step_jit, stream)
 from specjax.models.config import ModelConfig, RopeScaling
@@ -25,7 +26,8 @@ from specjax.verify import ChainResult, verify_chain
 __version__ = "0.1.0"
 
 __all__ = [
-    "BatchResult", "ChainResult", "DecodeConfig", "DecodeState", "ForwardOutput", "KVCache",
+    "BatchResult", "ChainResult", "DecodeConfig", "DecodeState",
+    "DraftModelDrafter", "ForwardOutput", "KVCache", "NGramDrafter", "Proposal",
     "LlamaParams", "Model", "ModelConfig", "RopeScaling", "RowResult",
     "SamplingParams", "StreamDecoder", "Tokenizer", "bucket_length",
     "capacity_for", "forward", "generate", "generate_ids", "generate_jit",

@@ -154,7 +154,7 @@ def prefill(params: llama.LlamaParams, prompt_BT: jax.Array,
   tokens = tokens.at[jnp.arange(B), lengths].set(first_B, mode="drop")
   drafter_state = None
   if dcfg.drafter is not None:
-    drafter_state = dcfg.drafter.init(drafter_params, prompt_BT, lengths)
+    drafter_state = dcfg.drafter.init(drafter_params, prompt_BT, lengths, S)
   zeros_B = jnp.zeros((B,), jnp.int32)
   state = DecodeState(
       tokens=tokens, num_tokens=lengths + 1, prompt_lengths=lengths,

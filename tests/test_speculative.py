@@ -95,3 +95,67 @@ def test_sampled_speculative_runs_are_reproducible(tiny):
   b, _ = _run(params, cfg, dcfg, seed=3)
   assert a == b
   assert all(0 < len(o) <= 24 and max(o) < cfg.vocab_size for o in a)
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(tmp_path_factory):
+  """A different random model over the same 37-token vocabulary."""
+  d = tmp_path_factory.mktemp("spec_draft")
+  make_tiny("llama_gqa_tied", d, seed=11)
+  return load_hf(d)
+
+
+def test_draft_model_greedy_identity(tiny, tiny_draft):
+  """Invariants at T = 0: (1) with an unrelated draft model the output equals
+  AR token for token; (2) with the target itself as the draft model every
+  draft is accepted (K per full step), which checks the drafter's own cache
+  bookkeeping and rollback: a stale or shifted draft cache would diverge."""
+  from specjax.drafters import DraftModelDrafter
+  cfg, params = tiny
+  ar, ar_state = _run(params, cfg, engine.DecodeConfig(capacity=96), max_new=30)
+  dcfg_cfg, dparams = tiny_draft
+  k = 3
+  prompt_BT, lengths = bucketing.pad_prompts(PROMPTS)
+
+  def spec(draft_cfg, draft_params):
+    dcfg = engine.DecodeConfig(capacity=96, drafter=DraftModelDrafter(draft_cfg),
+                               num_draft=k)
+    st = engine.generate_jit(params, prompt_BT, lengths, jax.random.key(0),
+                             np.int32(30), model_cfg=cfg, dcfg=dcfg,
+                             drafter_params=draft_params)
+    return [st.tokens[b, lengths[b]:st.num_tokens[b]].tolist()
+            for b in range(len(PROMPTS))], st
+
+  other, _ = spec(dcfg_cfg, dparams)
+  assert other == ar
+  self_out, st = spec(cfg, params)
+  assert self_out == ar
+  acc = np.asarray(st.accepted_at)
+  fwd = np.asarray(st.num_forwards)
+  # Every verify step but possibly the budget-cut last one accepts all K.
+  assert (acc[:, k - 1] >= fwd - 1).all() and (fwd <= -(-29 // (k + 1)) + 1).all()
+
+
+def test_speculative_generate_inside_user_jit(tiny):
+  """Invariant: a user function that runs speculative generate (n-gram) and
+  scores the result compiles once, does not retrace, and matches the direct
+  call."""
+  cfg, params = tiny
+  dcfg = engine.DecodeConfig(capacity=64, sampling=SamplingParams(1.0),
+                             drafter=NGramDrafter(), num_draft=3)
+  traces = []
+
+  @jax.jit
+  def rollout(params, prompt_BT, lengths, key):
+    traces.append(1)
+    st = engine.generate(params, prompt_BT, lengths, key, 12, model_cfg=cfg,
+                         dcfg=dcfg)
+    return st.tokens, jnp.sum(st.accepted_at, axis=1)
+
+  prompt_BT, lengths = bucketing.pad_prompts(PROMPTS)
+  toks, _ = rollout(params, prompt_BT, lengths, jax.random.key(4))
+  rollout(params, prompt_BT, lengths, jax.random.key(5))
+  assert len(traces) == 1
+  direct = engine.generate_jit(params, prompt_BT, lengths, jax.random.key(4),
+                               np.int32(12), model_cfg=cfg, dcfg=dcfg)
+  np.testing.assert_array_equal(toks, direct.tokens)

@@ -5,7 +5,7 @@ engine -- with three pure methods; its parameters (if any) travel separately
 as a pytree argument and its mutable state (e.g. its own KV cache) lives in
 ``DecodeState.drafter_state``:
 
-  init(params, prompt_BT, prompt_lengths_B) -> drafter_state
+  init(params, prompt_BT, prompt_lengths_B, capacity) -> drafter_state
   propose(params, drafter_state, tokens_BS, num_tokens_B, key, num_draft,
           sampling) -> Proposal
   commit(params, drafter_state, tokens_BS, num_tokens_B) -> drafter_state
@@ -16,6 +16,7 @@ the new ``num_tokens`` so the drafter can roll its own state back by lengths.
 """
 
 from specjax.drafters.base import Proposal
+from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.ngram import NGramDrafter
 
-__all__ = ["NGramDrafter", "Proposal"]
+__all__ = ["DraftModelDrafter", "NGramDrafter", "Proposal"]

@@ -28,8 +28,8 @@ class NGramDrafter:
       raise ValueError(f"need 1 <= n_min <= n_max, got {self.n_min}, "
                        f"{self.n_max}")
 
-  def init(self, params, prompt_BT, prompt_lengths_B):
-    del params, prompt_BT, prompt_lengths_B
+  def init(self, params, prompt_BT, prompt_lengths_B, capacity):
+    del params, prompt_BT, prompt_lengths_B, capacity
     return None
 
   def commit(self, params, state, tokens_BS, num_tokens_B):
