@@ -9,6 +9,7 @@ import pytest
 import scipy.stats
 
 from specjax import bucketing, engine
+from specjax.drafters import NGramDrafter
 from specjax.models import llama
 from specjax.models.hf_loader import load_hf
 from specjax.sampling import SamplingParams, warp
@@ -110,12 +111,14 @@ def test_no_recompilation_within_bucket(tiny, monkeypatch):
   assert len(traces) == 2
 
 
-def test_generate_inside_user_jit(tiny):
-  """Invariant: a user function that calls engine.generate and scores its
-  output compiles once, does not retrace on a second call with new values,
-  and matches the direct call."""
+@pytest.mark.parametrize("drafter", [None, NGramDrafter()], ids=["ar", "ngram"])
+def test_generate_inside_user_jit(tiny, drafter):
+  """Invariant: a user function that calls engine.generate (AR or
+  speculative) and scores its output compiles once, does not retrace on a
+  second call with new values, and matches the direct call."""
   cfg, params = tiny
-  dcfg = engine.DecodeConfig(capacity=64, sampling=SamplingParams(1.0))
+  dcfg = engine.DecodeConfig(capacity=64, sampling=SamplingParams(1.0),
+                             drafter=drafter, num_draft=3)
   traces = []
 
   @jax.jit

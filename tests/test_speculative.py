@@ -135,27 +135,3 @@ def test_draft_model_greedy_identity(tiny, tiny_draft):
   # Every verify step but possibly the budget-cut last one accepts all K.
   assert (acc[:, k - 1] >= fwd - 1).all() and (fwd <= -(-29 // (k + 1)) + 1).all()
 
-
-def test_speculative_generate_inside_user_jit(tiny):
-  """Invariant: a user function that runs speculative generate (n-gram) and
-  scores the result compiles once, does not retrace, and matches the direct
-  call."""
-  cfg, params = tiny
-  dcfg = engine.DecodeConfig(capacity=64, sampling=SamplingParams(1.0),
-                             drafter=NGramDrafter(), num_draft=3)
-  traces = []
-
-  @jax.jit
-  def rollout(params, prompt_BT, lengths, key):
-    traces.append(1)
-    st = engine.generate(params, prompt_BT, lengths, key, 12, model_cfg=cfg,
-                         dcfg=dcfg)
-    return st.tokens, jnp.sum(st.accepted_at, axis=1)
-
-  prompt_BT, lengths = bucketing.pad_prompts(PROMPTS)
-  toks, _ = rollout(params, prompt_BT, lengths, jax.random.key(4))
-  rollout(params, prompt_BT, lengths, jax.random.key(5))
-  assert len(traces) == 1
-  direct = engine.generate_jit(params, prompt_BT, lengths, jax.random.key(4),
-                               np.int32(12), model_cfg=cfg, dcfg=dcfg)
-  np.testing.assert_array_equal(toks, direct.tokens)
