@@ -68,25 +68,36 @@ def _gguf_names(num_layers: int):
       yield f"blk.{i}.{suffix}"
 
 
-def _field(reader: gguf.GGUFReader, key: str, default=None):
+_REQUIRED = object()
+
+
+def metadata(reader: gguf.GGUFReader, key: str, default=_REQUIRED):
+  """A GGUF metadata value; without a default, a missing key is an error."""
   f = reader.fields.get(key)
-  return default if f is None else f.contents()
+  if f is not None:
+    return f.contents()
+  if default is _REQUIRED:
+    raise WeightError(f"GGUF file has no {key!r} metadata")
+  return default
 
 
 def config_from_gguf(reader: gguf.GGUFReader, name: str = "gguf") -> ModelConfig:
-  arch = _field(reader, "general.architecture")
+  arch = metadata(reader, "general.architecture")
   if arch not in SUPPORTED_ARCHS:
     raise WeightError(f"unsupported GGUF architecture {arch!r} "
                       f"(supported: {', '.join(SUPPORTED_ARCHS)})")
   if any(t.name == "rope_freqs.weight" for t in reader.tensors):
     raise WeightError("GGUF with rope_freqs (llama3 rope scaling) is not "
                       "supported; load the HF checkpoint directory instead")
-  a = lambda key, default=None: _field(reader, f"{arch}.{key}", default)
+
+  def a(key, default=_REQUIRED):
+    return metadata(reader, f"{arch}.{key}", default)
+
   dim, heads = a("embedding_length"), a("attention.head_count")
-  tokens = _field(reader, "tokenizer.ggml.tokens")
+  tokens = metadata(reader, "tokenizer.ggml.tokens", None)
   has_output = any(t.name == "output.weight" for t in reader.tensors)
   has_bias = any(t.name.endswith("attn_q.bias") for t in reader.tensors)
-  eos = _field(reader, "tokenizer.ggml.eos_token_id")
+  eos = metadata(reader, "tokenizer.ggml.eos_token_id", None)
   return ModelConfig(
       vocab_size=int(a("vocab_size", len(tokens) if tokens else 0)),
       dim=int(dim),
@@ -101,7 +112,7 @@ def config_from_gguf(reader: gguf.GGUFReader, name: str = "gguf") -> ModelConfig
       tie_embeddings=not has_output,
       qkv_bias=has_bias,
       max_position=int(a("context_length", 2048)),
-      bos_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+      bos_id=metadata(reader, "tokenizer.ggml.bos_token_id", None),
       eos_ids=() if eos is None else (int(eos),),
       name=name)
 
@@ -113,7 +124,7 @@ def load_gguf(path: str | pathlib.Path, dtype=jnp.float32, name: str = ""):
     raise FileNotFoundError(f"GGUF file not found: {path}")
   reader = gguf.GGUFReader(str(path))
   cfg = config_from_gguf(reader, name or path.stem)
-  arch = _field(reader, "general.architecture")
+  arch = metadata(reader, "general.architecture")
   gguf_names = {_hf_name(g): g for g in _gguf_names(cfg.num_layers)}
   by_name = {}
   for t in reader.tensors:

@@ -21,6 +21,8 @@ import jinja2.sandbox
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors
 
+from specjax.models.gguf_loader import metadata
+
 # llama.cpp token types (``llama_token_type``).
 _CONTROL = 3
 _USER_DEFINED = 4
@@ -67,18 +69,6 @@ _DEFAULT_PRE = "smollm"
 # Specials that close a chat turn; a template that writes one expects the
 # model to stop there even when the file's eos is a different token.
 _TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
-
-_MISSING = object()
-
-
-def _field(reader: gguf.GGUFReader, key: str, default: Any = _MISSING) -> Any:
-  field = reader.fields.get(key)
-  if field is None:
-    if default is _MISSING:
-      raise ValueError(f"GGUF file has no {key!r} metadata")
-    return default
-  return field.contents()
-
 
 def _raise_exception(message: str):
   raise jinja2.exceptions.TemplateError(message)
@@ -156,21 +146,21 @@ class Tokenizer:
   @classmethod
   def from_gguf(cls, reader: gguf.GGUFReader) -> Tokenizer:
     """Byte-level BPE from GGUF metadata, split the way llama.cpp splits."""
-    model = _field(reader, "tokenizer.ggml.model")
+    model = metadata(reader, "tokenizer.ggml.model")
     if model != "gpt2":
       raise ValueError(
           f"unsupported GGUF tokenizer model {model!r}: only 'gpt2' "
           "(byte-level BPE) is supported")
-    pre = _field(reader, "tokenizer.ggml.pre", _DEFAULT_PRE)
+    pre = metadata(reader, "tokenizer.ggml.pre", _DEFAULT_PRE)
     if pre not in _PRE_TOKENIZERS:
       raise ValueError(
           f"unsupported GGUF pre-tokenizer {pre!r}: supported are "
           f"{', '.join(sorted(_PRE_TOKENIZERS))}")
     make_pre, ignore_merges = _PRE_TOKENIZERS[pre]
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    types = _field(reader, "tokenizer.ggml.token_type", [])
-    merges = _field(reader, "tokenizer.ggml.merges")
-    bos_id = _field(reader, "tokenizer.ggml.bos_token_id", None)
+    tokens = metadata(reader, "tokenizer.ggml.tokens")
+    types = metadata(reader, "tokenizer.ggml.token_type", [])
+    merges = metadata(reader, "tokenizer.ggml.merges")
+    bos_id = metadata(reader, "tokenizer.ggml.bos_token_id", None)
     # No unk_token: SmolLM2's vocab lacks some bytes (0x04, 0xf1, ...), and
     # llama.cpp and the reference tokenizer.json drop those, not map them to
     # tokenizer.ggml.unknown_token_id.
@@ -188,7 +178,7 @@ class Tokenizer:
     tok.add_tokens([
         tokenizers.AddedToken(t, special=False, normalized=False)
         for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
-    if bos_id is not None and _field(
+    if bos_id is not None and metadata(
         reader, "tokenizer.ggml.add_bos_token", False):
       bos = tokens[bos_id]
       tok.post_processor = processors.TemplateProcessing(
@@ -196,12 +186,12 @@ class Tokenizer:
           special_tokens=[(bos, bos_id)])
 
     eos_ids = [
-        _field(reader, f"tokenizer.ggml.{k}_token_id", None)
+        metadata(reader, f"tokenizer.ggml.{k}_token_id", None)
         for k in ("eos", "eot", "eom")]
     return cls(
         tok, bos_id=bos_id, eos_ids=[i for i in eos_ids if i is not None],
-        pad_id=_field(reader, "tokenizer.ggml.padding_token_id", None),
-        chat_template=_field(reader, "tokenizer.chat_template", None))
+        pad_id=metadata(reader, "tokenizer.ggml.padding_token_id", None),
+        chat_template=metadata(reader, "tokenizer.chat_template", None))
 
   @classmethod
   def from_hf_dir(cls, path: str | pathlib.Path) -> Tokenizer:
