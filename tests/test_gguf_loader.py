@@ -173,7 +173,7 @@ def _params_as_hf(params, cfg) -> dict[str, np.ndarray]:
   out = {"model.embed_tokens.weight": np.asarray(params.embed),
          "model.norm.weight": np.asarray(params.final_norm)}
   if params.lm_head is not None:
-    out["lm_head.weight"] = np.asarray(params.lm_head).T
+    out["lm_head.weight"] = np.asarray(params.lm_head)
   for i, lp in enumerate(jax.tree_util.tree_map(np.asarray, params.layers)):
     p = f"model.layers.{i}."
     qkv = lp.wqkv.T
@@ -334,9 +334,9 @@ def test_untied_output_weight(models, tmp_path):
   cfg, params, _ = load_gguf(_write_gguf(tmp_path / "u.gguf", model.config,
                                          tensors))
   assert not cfg.tie_embeddings
-  np.testing.assert_array_equal(np.asarray(params.lm_head).T,
+  np.testing.assert_array_equal(np.asarray(params.lm_head),
                                 tensors["output.weight"])
-  assert _max_err(params.lm_head.T, params.embed) > 0.1
+  assert _max_err(params.lm_head, params.embed) > 0.1
   tokens = _tokens(cfg.vocab_size)
   assert _max_err(_logits(params, cfg, tokens),
                   _torch_logits(model, tokens)) < 1e-4

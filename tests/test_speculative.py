@@ -135,3 +135,38 @@ def test_draft_model_greedy_identity(tiny, tiny_draft):
   # Every verify step but possibly the budget-cut last one accepts all K.
   assert (acc[:, k - 1] >= fwd - 1).all() and (fwd <= -(-29 // (k + 1)) + 1).all()
 
+
+
+def test_layer_skip_and_dynamic_k_greedy_identity(tiny):
+  """Invariants at T = 0: (1) layer-skip self-drafting (the target's first
+  layer + its norm and head, drafter params = the target's own params) equals
+  AR token for token; (2) so does dynamic K (``min_confidence``), and it
+  drafts fewer tokens than fixed K while never more than K per step; (3) a
+  threshold of 0 drafts exactly K per live step."""
+  from specjax.drafters import LayerSkipDrafter
+  cfg, params = tiny
+  ar, _ = _run(params, cfg, engine.DecodeConfig(capacity=96), max_new=30)
+  prompt_BT, lengths = bucketing.pad_prompts(PROMPTS)
+  k = 4
+
+  def spec(min_conf):
+    drafter = LayerSkipDrafter.from_target(cfg, 1, min_confidence=min_conf)
+    st = engine.generate_jit(
+        params, prompt_BT, lengths, jax.random.key(0), np.int32(30),
+        model_cfg=cfg, dcfg=engine.DecodeConfig(capacity=96, drafter=drafter,
+                                                num_draft=k),
+        drafter_params=params)
+    return [st.tokens[b, lengths[b]:st.num_tokens[b]].tolist()
+            for b in range(len(PROMPTS))], st
+
+  fixed, st_fixed = spec(0.0)
+  dynamic, st_dyn = spec(0.5)
+  assert fixed == ar and dynamic == ar
+  drafted_fixed = np.asarray(st_fixed.num_drafted)
+  np.testing.assert_array_equal(drafted_fixed,
+                                k * np.asarray(st_fixed.num_forwards))
+  drafted_dyn = np.asarray(st_dyn.num_drafted)
+  assert drafted_dyn.sum() < drafted_fixed.sum()
+  assert (drafted_dyn <= k * np.asarray(st_dyn.num_forwards)).all()
+  with pytest.raises(ValueError, match=f"layers < {cfg.num_layers}"):
+    LayerSkipDrafter.from_target(cfg, cfg.num_layers)

@@ -16,7 +16,11 @@ the new ``num_tokens`` so the drafter can roll its own state back by lengths.
 """
 
 from specjax.drafters.base import Proposal
-from specjax.drafters.draft_model import DraftModelDrafter
+from specjax.drafters.draft_model import DraftModelDrafter, LayerSkipDrafter
 from specjax.drafters.ngram import NGramDrafter
+from specjax.drafters.retrieval import (Datastore, RetrievalDrafter,
+                                        build_datastore, sharegpt_datastore)
 
-__all__ = ["DraftModelDrafter", "NGramDrafter", "Proposal"]
+__all__ = ["Datastore", "DraftModelDrafter", "LayerSkipDrafter", "NGramDrafter",
+           "Proposal", "RetrievalDrafter", "build_datastore",
+           "sharegpt_datastore"]

@@ -61,7 +61,8 @@ class LlamaParams:
     embed: ``[V, D]`` token embedding.
     layers: L ``LayerParams``, one per layer (not stacked: see module doc).
     final_norm: ``[D]``.
-    lm_head: ``[D, V]``, or None when tied to ``embed``.
+    lm_head: ``[V, D]`` (vocabulary-major like ``embed``; see ``_logits``),
+      or None when tied to ``embed``.
   """
   embed: jax.Array
   layers: tuple[LayerParams, ...]
@@ -230,10 +231,21 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens_BT: jax.Array,
   h_BTD = rms_norm(x_BTD, params.final_norm, cfg.norm_eps)
   if logit_positions_BP is not None:
     h_BTD = jnp.take_along_axis(h_BTD, logit_positions_BP[..., None], axis=1)
-  if params.lm_head is None:
-    logits = jnp.einsum("btd,vd->btv", h_BTD, params.embed,
-                        preferred_element_type=jnp.float32)
-  else:
-    logits = jnp.einsum("btd,dv->btv", h_BTD, params.lm_head,
-                        preferred_element_type=jnp.float32)
-  return ForwardOutput(logits=logits, cache=new_cache, taps=tap_out)
+  w_VD = params.embed if params.lm_head is None else params.lm_head
+  return ForwardOutput(logits=_logits(h_BTD, w_VD), cache=new_cache,
+                       taps=tap_out)
+
+
+def _logits(h_BTD: jax.Array, w_VD: jax.Array) -> jax.Array:
+  """``f32[B, T, V]``. With more than one row, the vocabulary is the dot's
+  left operand: XLA CPU's GEMM is then 2-3x faster for a few rows against a
+  huge V (measured for 576 x 49152: 8 rows 14 ms vs 44 ms, 5 rows 18 vs 34),
+  which is what a verify step over K + 1 tokens needs. One row stays a
+  plain GEMV, XLA's fastest form there."""
+  B, T, D = h_BTD.shape
+  if B * T == 1:
+    return jnp.einsum("btd,vd->btv", h_BTD, w_VD,
+                      preferred_element_type=jnp.float32)
+  logits_VM = jnp.einsum("vd,md->vm", w_VD, h_BTD.reshape(B * T, D),
+                         preferred_element_type=jnp.float32)
+  return logits_VM.T.reshape(B, T, -1)

@@ -68,7 +68,7 @@ def params_from_getter(get: Getter, cfg: ModelConfig,
   embed = _need(get, "model.embed_tokens.weight", (cfg.vocab_size, D))
   lm_head = None
   if not cfg.tie_embeddings:
-    lm_head = jnp.asarray(_need(get, "lm_head.weight", (cfg.vocab_size, D)).T,
+    lm_head = jnp.asarray(_need(get, "lm_head.weight", (cfg.vocab_size, D)),
                           dtype)
   return LlamaParams(
       embed=jnp.asarray(embed, dtype),

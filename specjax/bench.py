@@ -1,0 +1,216 @@
+"""Speculative vs autoregressive decoding, measured side by side in one run.
+
+For every batch of prompts the AR baseline and each method run back to back
+(same process, same shapes, compiled ahead of the timed calls), so machine
+noise hits both alike; the reported speedup is the median over repeats of
+total-AR-time / total-method-time. Per method it reports the acceptance
+statistics, the wall-time split and the speedup the theory predicts from the
+measured τ and cost curve (``measure_costs``).
+
+Definitions (aggregated over all rows):
+  tau: tokens emitted per target verify forward (correction/bonus included,
+    the prefill's first token excluded).
+  acceptance_per_position[i]: fraction of verify steps whose draft i was
+    accepted (acceptance is prefix-closed, so this is P(accepted > i)).
+  accepted_length_histogram[j]: verify steps that accepted exactly j drafts.
+  time_split: the method's wall time attributed to drafting, verifying and
+    the rest (sampling, bookkeeping, loop), from per-component timings of
+    the jitted propose and verify forward at the run's own shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import subprocess
+import time
+from typing import Callable, Optional, Sequence
+
+import jax
+import numpy as np
+
+from specjax import bucketing, engine, methods, runner
+from specjax.models import llama
+from specjax.models.registry import Model
+from specjax.sampling import SamplingParams
+
+
+@dataclasses.dataclass
+class Costs:
+  """Per-step costs in seconds at one run's shapes (medians of repeats)."""
+  target_1: float   # target forward over [B, 1] (an AR step's forward)
+  verify: float     # target forward over [B, K + 1]
+  draft: float      # one drafter.propose of K drafts
+
+  def predicted_speedup(self, tau: float, ar_step_s: float) -> float:
+    """Theory: AR time per token / speculative time per token, where a
+    speculative step costs draft + verify + the AR step's non-forward rest."""
+    rest = max(ar_step_s - self.target_1, 0.0)
+    return tau * ar_step_s / (self.draft + self.verify + rest)
+
+
+def median_time(fn: Callable[[], object], repeats: int = 5) -> float:
+  """Median seconds of ``fn()`` (compiled and warmed up first)."""
+  jax.block_until_ready(fn())  # compile + warm up
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def measure_costs(model: Model, prompts: Sequence[Sequence[int]],
+                  dcfg: engine.DecodeConfig, drafter_params,
+                  repeats: int = 5) -> Costs:
+  """Times the pieces of one speculative step on a real post-prefill state."""
+  prompt_BT, lengths = bucketing.pad_prompts(prompts,
+                                             model.tokenizer.pad_id or 0)
+  state = engine.prefill_jit(model.params, prompt_BT, lengths,
+                             jax.random.key(0), np.int32(1),
+                             model_cfg=model.config, dcfg=dcfg,
+                             drafter_params=drafter_params)
+  B, K = prompt_BT.shape[0], dcfg.k
+  fwd = jax.jit(lambda p, t, c: llama.forward(p, model.config, t, c).logits)
+  target_1 = median_time(
+      lambda: fwd(model.params, state.tokens[:, :1], state.cache), repeats)
+  verify = median_time(
+      lambda: fwd(model.params, state.tokens[:, :K + 1], state.cache), repeats)
+  draft = 0.0
+  if K:
+    propose = jax.jit(lambda p, s, t, n, k: dcfg.drafter.propose(
+        p, s, t, n, k, K, dcfg.sampling))
+    draft = median_time(lambda: propose(
+        drafter_params, state.drafter_state, state.tokens, state.num_tokens,
+        jax.random.key(1)), repeats)
+  return Costs(target_1=target_1, verify=verify, draft=draft)
+
+
+@dataclasses.dataclass
+class _Tally:
+  """Sums over batches for one method in one repeat."""
+  wall_s: float = 0.0
+  steps: int = 0
+  new_tokens: int = 0
+  outputs: list = dataclasses.field(default_factory=list)
+  rows: list = dataclasses.field(default_factory=list)
+
+  def add(self, res: runner.BatchResult):
+    self.wall_s += res.wall_s
+    self.steps += res.num_steps + 1  # + the prefill step
+    self.new_tokens += res.new_tokens
+    self.outputs += [r.output_ids for r in res.rows]
+    self.rows += res.rows
+
+
+def _acceptance(rows: Sequence[runner.RowResult], k: int) -> dict:
+  forwards = sum(r.target_forwards for r in rows)
+  emitted = sum(len(r.output_ids) - 1 for r in rows)
+  at = np.sum([r.accepted_at for r in rows], axis=0) if k else np.zeros(0)
+  ge = np.concatenate([[forwards], at, [0]]).astype(np.int64)  # P(acc >= j)
+  return dict(
+      tau=emitted / max(forwards, 1),
+      acceptance_per_position=[round(float(a) / max(forwards, 1), 4)
+                               for a in at],
+      accepted_length_histogram=(ge[:-1] - ge[1:]).tolist(),
+      drafted_per_step=sum(r.num_drafted for r in rows) / max(forwards, 1),
+      target_forwards=forwards)
+
+
+def git_sha() -> str:
+  try:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True, check=True,
+                          cwd=__file__.rsplit("/", 2)[0]).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown"
+
+
+def run(model: Model, methods_: Sequence[methods.MethodSpec | tuple],
+        prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+        sampling: SamplingParams, batch_size: int = 1, repeats: int = 1,
+        seed: int = 0, dataset: str = "?",
+        on_result: Optional[Callable[[dict], None]] = None,
+        progress: bool = True) -> list[dict]:
+  """Benchmarks each method against AR on ``prompts``; one dict per method.
+
+  ``methods_`` holds ``MethodSpec``s or already built ``(spec, drafter,
+  drafter_params)`` triples (``methods.build``).
+
+  ``on_result`` is called with each method's dict as soon as it is done, so
+  a long run keeps what it measured if it is interrupted later.
+  """
+  from tqdm import tqdm
+  built = [m if isinstance(m, tuple) else (m, *methods.build(model, m))
+           for m in methods_]
+  specs = [m[0] for m in built]
+  batches = [list(prompts[i:i + batch_size])
+             for i in range(0, len(prompts), batch_size)]
+  kw = dict(max_new_tokens=max_new_tokens, sampling=sampling)
+  ar_tallies, tallies = [], {s: [] for s in specs}
+  total = repeats * len(batches) * (1 + len(specs))
+  bar = tqdm(total=total, desc="bench", unit="run", disable=not progress)
+  for rep in range(repeats):
+    ar = _Tally()
+    per = {s: _Tally() for s in specs}
+    for i, chunk in enumerate(batches):
+      sd = seed + 1000 * rep + i
+      ar.add(runner.generate_ids(model, chunk, seed=sd, **kw))
+      bar.update()
+      for spec, drafter, dparams in built:
+        per[spec].add(runner.generate_ids(
+            model, chunk, seed=sd, drafter=drafter, num_draft=spec.k,
+            drafter_params=dparams, **kw))
+        bar.update()
+      bar.set_postfix(ar_tok_s=f"{ar.new_tokens / ar.wall_s:.1f}")
+    ar_tallies.append(ar)
+    for s in specs:
+      tallies[s].append(per[s])
+  bar.close()
+
+  ar_tok_s = statistics.median(t.new_tokens / t.wall_s for t in ar_tallies)
+  ar_step_s = statistics.median(t.wall_s / t.steps for t in ar_tallies)
+  results = []
+  for spec, drafter, dparams in built:
+    runs = tallies[spec]
+    dcfg = runner.decode_config(
+        model, bucketing.bucket_length(max(map(len, batches[0]))),
+        max_new_tokens, sampling, drafter, spec.k)
+    costs = measure_costs(model, batches[0], dcfg, dparams)
+    acc = _acceptance(runs[0].rows, spec.k)
+    wall = statistics.median(t.wall_s for t in runs)
+    steps = runs[0].steps
+    split = dict(draft_s=costs.draft * steps, verify_s=costs.verify * steps)
+    split["rest_s"] = max(wall - split["draft_s"] - split["verify_s"], 0.0)
+    speedup = statistics.median(a.wall_s / t.wall_s * t.new_tokens /
+                                a.new_tokens
+                                for a, t in zip(ar_tallies, runs))
+    predicted = costs.predicted_speedup(acc["tau"], ar_step_s)
+    identical = [a == b for a, b in zip(ar_tallies[0].outputs, runs[0].outputs)]
+    result = dict(
+        method=spec.name, dataset=dataset, model=model.config.name,
+        temperature=sampling.temperature, top_k=sampling.top_k,
+        top_p=sampling.top_p, num_prompts=len(prompts),
+        new_tokens=runs[0].new_tokens, max_new_tokens=max_new_tokens,
+        batch_size=batch_size, repeats=repeats, num_draft=spec.k,
+        **{k: (round(v, 4) if isinstance(v, float) else v)
+           for k, v in acc.items()},
+        tokens_per_s=round(statistics.median(t.new_tokens / t.wall_s
+                                             for t in runs), 3),
+        ar_tokens_per_s=round(ar_tok_s, 3), speedup=round(speedup, 4),
+        predicted_speedup=round(predicted, 4),
+        speedup_vs_predicted=round(speedup / predicted, 4),
+        greedy_identical=(all(identical) if sampling.greedy else None),
+        rows_differing_from_ar=(identical.count(False) if sampling.greedy
+                                else None),
+        time_split={k: round(v / wall, 4) for k, v in split.items()},
+        costs_ms=dict(target_forward_1=round(costs.target_1 * 1e3, 3),
+                      verify_forward=round(costs.verify * 1e3, 3),
+                      draft=round(costs.draft * 1e3, 3),
+                      ar_step=round(ar_step_s * 1e3, 3)),
+        config=dataclasses.asdict(spec), git_sha=git_sha(),
+        backend=jax.default_backend())
+    results.append(result)
+    if on_result:
+      on_result(result)
+  return results

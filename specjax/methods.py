@@ -1,0 +1,107 @@
+"""Decoding methods by name: what the CLI, the benchmarks and the tuner share.
+
+``build`` turns a method name plus its knobs into the ``(drafter,
+drafter_params)`` pair the engine takes; bad combinations raise
+``MethodError`` with a one-line message the CLI prints as is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+  from specjax.models.registry import Model
+
+METHODS = ("ar", "ngram", "draft", "layerskip", "retrieval")
+
+
+class MethodError(ValueError):
+  """A method name or knob that cannot work with this model."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodSpec:
+  """A method and its knobs.
+
+  Attributes:
+    name: one of ``METHODS``.
+    num_draft: K, drafts per verify step (ignored for "ar").
+    layers: layer-skip depth (None = 80% of the target's layers, rounded).
+    min_confidence: dynamic K threshold for model drafters (0 = fixed K).
+    draft_model: the "draft" method's model (a name, .gguf or HF dir).
+    datastore_conversations: ShareGPT conversations behind "retrieval".
+  """
+  name: str = "ar"
+  num_draft: int = 4
+  layers: Optional[int] = None
+  min_confidence: float = 0.0
+  draft_model: Optional[str] = None
+  datastore_conversations: Optional[int] = None
+
+  @property
+  def k(self) -> int:
+    return 0 if self.name == "ar" else self.num_draft
+
+  def label(self) -> str:
+    return self.name if self.name == "ar" else f"{self.name}(K={self.k})"
+
+
+def default_layers(model: Model) -> int:
+  return max(1, min(model.config.num_layers - 1,
+                    round(0.8 * model.config.num_layers)))
+
+
+def build(model: Model, spec: MethodSpec) -> tuple[Any, Any]:
+  """``(drafter, drafter_params)`` for ``spec`` on the target ``model``."""
+  if spec.name not in METHODS:
+    raise MethodError(f"unknown method {spec.name!r} "
+                      f"(choose from {', '.join(METHODS)})")
+  if spec.name == "ar":
+    return None, None
+  if spec.num_draft < 1:
+    raise MethodError(f"--num-draft must be >= 1, got {spec.num_draft}")
+  if spec.name == "ngram":
+    from specjax.drafters import NGramDrafter
+    return NGramDrafter(), None
+  if spec.name == "layerskip":
+    from specjax.drafters import LayerSkipDrafter
+    layers = spec.layers if spec.layers is not None else default_layers(model)
+    try:
+      return (LayerSkipDrafter.from_target(model.config, layers,
+                                           spec.min_confidence), model.params)
+    except ValueError as e:
+      raise MethodError(str(e)) from None
+  if spec.name == "draft":
+    return _draft_model(model, spec)
+  import jax
+  from specjax.drafters.retrieval import RetrievalDrafter, sharegpt_datastore
+  kw = ({} if spec.datastore_conversations is None
+        else dict(num_conversations=spec.datastore_conversations))
+  # Built (or loaded from ~/.cache/specjax) once, then kept on the device.
+  return (RetrievalDrafter(),
+          jax.device_put(sharegpt_datastore(model.tokenizer, **kw)))
+
+
+def _draft_model(model: Model, spec: MethodSpec):
+  from specjax.drafters import DraftModelDrafter
+  from specjax.models.registry import load_model
+  if not spec.draft_model:
+    raise MethodError("--method draft needs --draft-model (a .gguf file or HF "
+                      "dir whose tokenizer matches the target's)")
+  draft = load_model(spec.draft_model)
+  if draft.config.vocab_size != model.config.vocab_size:
+    raise MethodError(
+        f"draft model {spec.draft_model!r} has vocab {draft.config.vocab_size}"
+        f", the target has {model.config.vocab_size}: they must share a "
+        "tokenizer")
+  probe = "The quick brown fox, 12345 déjà vu!\n"
+  if draft.tokenizer.encode(probe) != model.tokenizer.encode(probe):
+    raise MethodError(f"draft model {spec.draft_model!r} tokenizes text "
+                      "differently from the target: they must share a "
+                      "tokenizer")
+  try:
+    drafter = DraftModelDrafter(draft.config, spec.min_confidence)
+  except ValueError as e:
+    raise MethodError(str(e)) from None
+  return drafter, draft.params

@@ -1,0 +1,220 @@
+"""Which method and K to use for a workload: theory + measured costs + priors.
+
+The tuner scores every (method, K) with ``theory``'s wall-time model,
+
+  time per token(K) = (draft(K) + verify(K + 1) + rest) / E[tokens](α, K),
+
+where the verify curve and the per-step rest are timed on this machine for
+the workload's batch size (``measure_costs``), draft costs follow from them
+(a layer-skip draft of k of L layers costs about k/L of a forward per token;
+table drafters cost ~nothing), and α, the per-draft acceptance, comes from
+``PRIORS``: acceptance measured by ``specjax bench`` (docs/RESULTS.md),
+interpolated in temperature. Tasks that were not measured borrow the nearest
+measured one and say so in the reasoning. When no method beats AR by 5%, AR
+is the recommendation: speculation only pays where α survives the workload.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Optional
+
+import jax
+import numpy as np
+
+from specjax import theory
+from specjax.bench import median_time
+
+if TYPE_CHECKING:
+  from specjax.models.registry import Model
+
+TASKS = ("chat", "code", "summarize", "creative")
+K_MAX = 8
+MIN_GAIN = 1.05
+
+# Per-draft acceptance α (geometric fit to the measured τ at the measured K:
+# (1 - α^(K+1)) / (1 - α) = τ) by method, measured task and temperature
+# (0 and 1). Source: experiments/results/bench_*.jsonl, summarised in
+# docs/RESULTS.md. None = not measured.
+PRIORS: dict[tuple[str, str], dict[float, float]] = {}
+
+# Unmeasured tasks borrow a measured one; why, in words for the reasoning.
+BORROW = {
+    "summarize": ("chat", "summaries copy the source, so this is a floor for "
+                          "ngram/retrieval"),
+    "creative": ("chat", "creative text repeats less than chat answers, so "
+                         "this is optimistic"),
+    "code": ("chat", "no code measurement yet"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+  """What the user runs. ``latency_target_ms``: wanted ms per token per row."""
+  batch_size: int = 1
+  task: str = "chat"
+  temperature: float = 0.0
+  latency_target_ms: Optional[float] = None
+
+  def __post_init__(self):
+    if self.task not in TASKS:
+      raise ValueError(f"unknown task {self.task!r} (choose from "
+                       f"{', '.join(TASKS)})")
+    if self.batch_size < 1:
+      raise ValueError(f"batch size must be >= 1, got {self.batch_size}")
+    if not 0 <= self.temperature <= 2:
+      raise ValueError(f"temperature must be in [0, 2], got "
+                       f"{self.temperature}")
+    if self.latency_target_ms is not None and self.latency_target_ms <= 0:
+      raise ValueError("latency target must be > 0 ms per token")
+
+
+@dataclasses.dataclass(frozen=True)
+class CostCurve:
+  """Seconds on this machine at one batch size.
+
+  Attributes:
+    forward: ``forward[t]`` = one target forward over t tokens per row,
+      t = 1..K_MAX + 1 (index 0 unused).
+    rest: the rest of an AR step (sampling, bookkeeping, loop).
+    num_layers: L, for layer-skip draft costs.
+  """
+  forward: tuple[float, ...]
+  rest: float
+  num_layers: int
+
+  @property
+  def ar_step(self) -> float:
+    return self.forward[1] + self.rest
+
+  def draft(self, method: str, k: int, layers: int) -> float:
+    if method == "layerskip":  # a 2-token re-feed, then K - 1 single tokens
+      frac = layers / self.num_layers
+      return frac * (self.forward[2] + (k - 1) * self.forward[1])
+    return 0.0  # table lookups: well under a millisecond
+
+  def verify_ratio(self, k: int) -> float:
+    """v(K): the verify forward (plus the step's rest) in AR-step units."""
+    return (self.forward[k + 1] + self.rest) / self.ar_step
+
+
+@dataclasses.dataclass
+class Option:
+  method: str
+  num_draft: int
+  alpha: float
+  expected_tokens: float
+  ms_per_token: float
+  speedup: float
+
+
+@dataclasses.dataclass
+class Recommendation:
+  method: str
+  num_draft: int
+  expected_speedup: float
+  ms_per_token: float
+  ar_ms_per_token: float
+  meets_latency_target: Optional[bool]
+  reasoning: list[str]
+  options: list[Option]
+
+  def as_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+def measure_costs(model: "Model", batch_size: int, progress: bool = True,
+                  context: int = 256) -> CostCurve:
+  """Times target forwards over 1..K_MAX + 1 tokens and a full AR step."""
+  from tqdm import tqdm
+
+  from specjax import engine
+  from specjax.models import llama
+  cfg, B = model.config, batch_size
+  cache = llama.init_cache(cfg, B, 2 * context, model.params.embed.dtype
+                           ).with_lengths(np.full((B,), context, np.int32))
+  fwd = jax.jit(lambda p, t, c: llama.forward(p, cfg, t, c).logits)
+  forward = [0.0]
+  for t in tqdm(range(1, K_MAX + 2), desc="timing verify forwards",
+                disable=not progress):
+    tokens = np.ones((B, t), np.int32)
+    forward.append(median_time(lambda: fwd(model.params, tokens, cache)))
+  dcfg = engine.DecodeConfig(capacity=2 * context, eos_ids=())
+  prompt = np.ones((B, context), np.int32)
+  state = engine.prefill_jit(model.params, prompt, np.full((B,), context - 1,
+                                                           np.int32),
+                             jax.random.key(0), np.int32(1 << 20),
+                             model_cfg=cfg, dcfg=dcfg)
+  step = jax.jit(lambda p, s: engine.step(p, s, model_cfg=cfg, dcfg=dcfg))
+  ar_step = median_time(lambda: step(model.params, state))
+  return CostCurve(forward=tuple(forward), rest=max(ar_step - forward[1], 0.0),
+                   num_layers=cfg.num_layers)
+
+
+def alpha_for(method: str, task: str, temperature: float
+              ) -> tuple[Optional[float], str]:
+  """α for the workload and where it came from (a phrase for the reasoning)."""
+  source, note = task, ""
+  if (method, task) not in PRIORS and task in BORROW:
+    source, why = BORROW[task]
+    note = f" (borrowed from {source}: {why})"
+  by_t = PRIORS.get((method, source))
+  if not by_t:
+    return None, "no measurement"
+  ts = sorted(by_t)
+  t = min(max(temperature, ts[0]), ts[-1])
+  alpha = float(np.interp(t, ts, [by_t[x] for x in ts]))
+  return alpha, f"α={alpha:.2f} measured on {source} at T in {ts}{note}"
+
+
+def recommend(workload: Workload, costs: CostCurve, methods=None,
+              layers: Optional[int] = None) -> Recommendation:
+  """Scores every measured (method, K ≤ K_MAX) and picks the fastest."""
+  layers = layers or max(1, round(0.8 * costs.num_layers))
+  methods = methods or ("ngram", "retrieval", "layerskip")
+  ar_ms = costs.ar_step * 1e3
+  reasoning = [f"AR step at batch {workload.batch_size}: {ar_ms:.1f} ms; a "
+               f"verify over K+1 tokens costs v(K) = "
+               + ", ".join(f"{costs.verify_ratio(k):.2f}" for k in (1, 4, 8))
+               + " AR steps at K = 1, 4, 8 (measured here)."]
+  options = []
+  for method in methods:
+    alpha, source = alpha_for(method, workload.task, workload.temperature)
+    if alpha is None:
+      reasoning.append(f"{method}: skipped, {source}.")
+      continue
+    best = None
+    for k in range(1, K_MAX + 1):
+      e = theory.expected_tokens(alpha, k)
+      step_s = (costs.draft(method, k, layers) + costs.forward[k + 1]
+                + costs.rest)
+      opt = Option(method, k, alpha, e, step_s / e * 1e3,
+                   costs.ar_step * e / step_s)
+      if best is None or opt.speedup > best.speedup:
+        best = opt
+    options.append(best)
+    reasoning.append(f"{method}: {source}; best K={best.num_draft} gives "
+                     f"E={best.expected_tokens:.2f} tokens/verify, "
+                     f"{best.speedup:.2f}x.")
+  options.sort(key=lambda o: -o.speedup)
+  top = options[0] if options else None
+  if top is None or top.speedup < MIN_GAIN:
+    method, k, gain, ms = "ar", 0, 1.0, ar_ms
+    reasoning.append("No speculative method is predicted to beat AR by "
+                     f"{MIN_GAIN - 1:.0%}: acceptance is too low for what "
+                     "a wider verify forward costs here, so decode plainly.")
+  else:
+    method, k, gain, ms = (top.method, top.num_draft, top.speedup,
+                           top.ms_per_token)
+    reasoning.append(f"Pick {method} with K={k}: {gain:.2f}x predicted.")
+  meets = None
+  if workload.latency_target_ms is not None:
+    meets = ms <= workload.latency_target_ms
+    reasoning.append(f"Latency target {workload.latency_target_ms:g} ms/token: "
+                     f"predicted {ms:.1f} ms/token, "
+                     + ("met." if meets else "missed; a smaller batch or a "
+                        "faster machine is needed."))
+  return Recommendation(method=method, num_draft=k, expected_speedup=gain,
+                        ms_per_token=ms, ar_ms_per_token=ar_ms,
+                        meets_latency_target=meets, reasoning=reasoning,
+                        options=options)
