@@ -12,9 +12,13 @@ Public API (everything else is an implementation detail):
 
 from specjax.bucketing import bucket_length, capacity_for, pad_prompts
 from specjax.cache import KVCache
-from specjax.drafters import DraftModelDrafter, NGramDrafter, Proposal
+from specjax.drafters import (Datastore, DraftModelDrafter, LayerSkipDrafter,
+                              NGramDrafter, Proposal, RetrievalDrafter,
+                              build_datastore, sharegpt_datastore)
 from specjax.engine import (DecodeConfig, DecodeState, generate, generate_jit,
                             prefill, prefill_jit, step, step_jit, stream)
+from specjax.methods import MethodSpec
+from specjax.methods import build as build_method
 from specjax.models.config import ModelConfig, RopeScaling
 from specjax.models.llama import ForwardOutput, LlamaParams, forward, init_cache
 from specjax.models.registry import Model, load_model
@@ -26,11 +30,13 @@ from specjax.verify import ChainResult, verify_chain
 __version__ = "0.1.0"
 
 __all__ = [
-    "BatchResult", "ChainResult", "DecodeConfig", "DecodeState",
-    "DraftModelDrafter", "ForwardOutput", "KVCache", "NGramDrafter", "Proposal",
+    "BatchResult", "ChainResult", "Datastore", "DecodeConfig", "DecodeState",
+    "DraftModelDrafter", "ForwardOutput", "KVCache", "LayerSkipDrafter",
+    "MethodSpec", "NGramDrafter", "Proposal", "RetrievalDrafter",
     "LlamaParams", "Model", "ModelConfig", "RopeScaling", "RowResult",
     "SamplingParams", "StreamDecoder", "Tokenizer", "bucket_length",
-    "capacity_for", "forward", "generate", "generate_ids", "generate_jit",
+    "build_datastore", "build_method", "capacity_for", "forward", "generate", "generate_ids", "generate_jit",
     "init_cache", "load_model", "pad_prompts", "prefill", "prefill_jit",
-    "sample_logits", "step", "step_jit", "stream", "verify_chain", "warp",
+    "sample_logits", "sharegpt_datastore", "step", "step_jit", "stream",
+    "verify_chain", "warp",
 ]

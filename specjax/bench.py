@@ -103,16 +103,17 @@ class _Tally:
     self.rows += res.rows
 
 
-def _acceptance(rows: Sequence[runner.RowResult], k: int) -> dict:
+def acceptance_stats(rows: Sequence[runner.RowResult], k: int) -> dict:
+  """τ, per-position acceptance and the accepted-length histogram over rows
+  (definitions in the module docstring)."""
   forwards = sum(r.target_forwards for r in rows)
   emitted = sum(len(r.output_ids) - 1 for r in rows)
   at = np.sum([r.accepted_at for r in rows], axis=0) if k else np.zeros(0)
-  ge = np.concatenate([[forwards], at, [0]]).astype(np.int64)  # P(acc >= j)
   return dict(
       tau=emitted / max(forwards, 1),
       acceptance_per_position=[round(float(a) / max(forwards, 1), 4)
                                for a in at],
-      accepted_length_histogram=(ge[:-1] - ge[1:]).tolist(),
+      accepted_length_histogram=runner.accepted_length_histogram(at, forwards),
       drafted_per_step=sum(r.num_drafted for r in rows) / max(forwards, 1),
       target_forwards=forwards)
 
@@ -177,7 +178,7 @@ def run(model: Model, methods_: Sequence[methods.MethodSpec | tuple],
         model, bucketing.bucket_length(max(map(len, batches[0]))),
         max_new_tokens, sampling, drafter, spec.k)
     costs = measure_costs(model, batches[0], dcfg, dparams)
-    acc = _acceptance(runs[0].rows, spec.k)
+    acc = acceptance_stats(runs[0].rows, spec.k)
     wall = statistics.median(t.wall_s for t in runs)
     steps = runs[0].steps
     split = dict(draft_s=costs.draft * steps, verify_s=costs.verify * steps)

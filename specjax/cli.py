@@ -235,12 +235,15 @@ def cmd_generate(args) -> int:
   batches = range(0, len(ids), args.batch_size)
   bar = tqdm(batches, desc="generating", unit="batch", file=sys.stderr,
              disable=len(batches) < 2)
+  all_rows, wall, new_tokens = [], 0.0, 0
   for start in bar:
     chunk = ids[start:start + args.batch_size]
     res = runner.generate_ids(model, chunk, max_new_tokens=args.max_new_tokens,
                               sampling=sampling, seed=args.seed + start,
                               drafter=drafter, num_draft=spec.k,
                               drafter_params=drafter_params)
+    all_rows += res.rows
+    wall, new_tokens = wall + res.wall_s, new_tokens + res.new_tokens
     for j, row in enumerate(res.rows):
       text = model.tokenizer.decode(row.output_ids, skip_special_tokens=True)
       if args.json:
@@ -256,6 +259,7 @@ def cmd_generate(args) -> int:
             num_draft=spec.k,
             target_forwards=row.target_forwards, tau=round(row.tau, 3),
             accepted_at=row.accepted_at,
+            accepted_length_histogram=row.accepted_length_histogram,
             temperature=args.temperature, top_k=args.top_k,
             top_p=args.top_p, seed=args.seed), ensure_ascii=False))
       else:
@@ -263,6 +267,13 @@ def cmd_generate(args) -> int:
           print(f"### {start + j + 1}: {prompts[start + j]}")
         print(text.strip() + "\n")
     sys.stdout.flush()
+  if spec.k and not args.json:  # the speculative metrics, aggregated
+    from specjax import bench
+    acc = bench.acceptance_stats(all_rows, spec.k)
+    print(f"[{spec.label()}] tau {acc['tau']:.2f} tokens/verify, acceptance "
+          f"per position {acc['acceptance_per_position']}, accepted-length "
+          f"histogram {acc['accepted_length_histogram']}, "
+          f"{new_tokens / wall:.1f} tokens/s", file=sys.stderr)
   return 0
 
 

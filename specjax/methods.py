@@ -89,7 +89,11 @@ def _draft_model(model: Model, spec: MethodSpec):
   if not spec.draft_model:
     raise MethodError("--method draft needs --draft-model (a .gguf file or HF "
                       "dir whose tokenizer matches the target's)")
-  draft = load_model(spec.draft_model)
+  try:
+    draft = load_model(spec.draft_model)
+  except (ValueError, OSError, RuntimeError) as e:
+    raise MethodError(f"cannot load draft model {spec.draft_model!r}: {e}"
+                      ) from None
   if draft.config.vocab_size != model.config.vocab_size:
     raise MethodError(
         f"draft model {spec.draft_model!r} has vocab {draft.config.vocab_size}"

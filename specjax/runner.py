@@ -39,6 +39,19 @@ class RowResult:
     """Tokens emitted per target forward (the prefill's first token excluded)."""
     return (len(self.output_ids) - 1) / max(self.target_forwards, 1)
 
+  @property
+  def accepted_length_histogram(self) -> list[int]:
+    """Verify steps that accepted exactly j drafts, j = 0..K."""
+    return accepted_length_histogram(self.accepted_at, self.target_forwards)
+
+
+def accepted_length_histogram(accepted_at: Sequence[int],
+                              forwards: int) -> list[int]:
+  """Acceptance is prefix-closed, so ``accepted_at[i]`` counts the steps that
+  accepted more than i drafts; differences give the exact histogram."""
+  ge = np.concatenate([[forwards], accepted_at, [0]]).astype(np.int64)
+  return (ge[:-1] - ge[1:]).tolist()
+
 
 @dataclasses.dataclass
 class BatchResult:

@@ -52,6 +52,28 @@ GEN = ("generate", "--max-new-tokens", "4")
     ((*GEN, "--prompt", "hi", "--seed", str(2**70)), ["--seed"]),
     ((*GEN, "--prompt-file", "/"), ["cannot read prompt file"]),
     (("demo", "--max-new-tokens", "0"), ["--max-new-tokens"]),
+    ((*GEN, "--prompt", "hi", "--method", "layerskip", "--layers", "30"),
+     ["layers < 30"]),
+    ((*GEN, "--prompt", "hi", "--method", "draft"), ["--draft-model"]),
+    ((*GEN, "--prompt", "hi", "--method", "draft", "--draft-model",
+      "/no/such/draft.gguf"), ["cannot load draft model", "not found"]),
+    ((*GEN, "--prompt", "hi", "--method", "layerskip", "--min-confidence",
+      "1"), ["--min-confidence"]),
+    ((*GEN, "--prompt", "hi", "--method", "ngram", "--num-draft", "8180"),
+     ["--num-draft 8180 is too large", "context of 8192"]),
+    ((*GEN, "--prompt", "hi", "--method", "ngram,retrieval"),
+     ["one --method"]),
+    (("bench", "--method", "ar"), ["at least one --method other than ar"]),
+    (("bench", "--method", "ngram,bogus"), ["unknown method 'bogus'"]),
+    (("bench", "--dataset", "nope"), ["unknown dataset 'nope'"]),
+    (("bench", "--dataset", "/no/such.jsonl"), ["cannot read"]),
+    (("bench", "--num-prompts", "0"), ["--num-prompts"]),
+    (("bench", "--repeats", "0"), ["--repeats"]),
+    (("bench", "--json", "/no/such/dir/out.jsonl", "--num-prompts", "1"),
+     ["cannot write --json"]),
+    (("tune", "--task", "poetry"), ["unknown task 'poetry'"]),
+    (("tune", "--batch-size", "0"), ["batch size"]),
+    (("tune", "--latency-target", "-3"), ["latency target"]),
 ])
 def test_bad_input_exits_2_with_one_line(args, needles):
   """Invariant: each kind of bad input -> exit 2, one stderr line naming it."""
@@ -113,3 +135,4 @@ def test_generate_json_contract(tmp_path):
     assert r["text"] == tok.decode(r["output_ids"], skip_special_tokens=True)
     assert r["tokens_per_s"] > 0 and r["wall_s"] > 0
   assert [r["output_ids"] for r in rows] == [r["output_ids"] for r in outs[1]]
+

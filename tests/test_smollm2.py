@@ -58,17 +58,52 @@ def test_greedy_matches_transformers_ragged_batch(smollm2, hf_model):
                                else "length")
 
 
-def test_ngram_speculative_greedy_identity(smollm2):
-  """Invariant: at T = 0, n-gram speculative decoding of a ragged batch of 4
-  chat prompts equals AR decoding token for token on SmolLM2, with fewer
-  target forwards than tokens (drafts were accepted)."""
-  from specjax.drafters import NGramDrafter
+def _drafter(smollm2, method, tmp_path_factory):
+  """(drafter, drafter params, K) for each method, sized for a fast test."""
+  from specjax.drafters import (DraftModelDrafter, LayerSkipDrafter,
+                                NGramDrafter, RetrievalDrafter,
+                                sharegpt_datastore)
+  cfg = smollm2.config
+  if method == "ngram":
+    return NGramDrafter(), None, 4
+  if method == "layerskip":
+    return LayerSkipDrafter.from_target(cfg, 24), smollm2.params, 3
+  if method == "layerskip_dynamic_k":
+    return (LayerSkipDrafter.from_target(cfg, 24, min_confidence=0.6),
+            smollm2.params, 3)
+  if method == "retrieval":
+    table = sharegpt_datastore(smollm2.tokenizer, num_conversations=300,
+                               cache_dir=tmp_path_factory.mktemp("ds"),
+                               progress=False)
+    return RetrievalDrafter(), table, 4
+  # The target as its own draft model: every draft must be accepted.
+  return DraftModelDrafter(cfg), smollm2.params, 3
+
+
+@pytest.fixture(scope="module")
+def ar_rows(smollm2):
   prompts = [smollm2.tokenizer.encode_chat(p) for p in PROMPTS]
-  ar = runner.generate_ids(smollm2, prompts, max_new_tokens=48)
-  spec = runner.generate_ids(smollm2, prompts, max_new_tokens=48,
-                             drafter=NGramDrafter(), num_draft=4)
+  return prompts, runner.generate_ids(smollm2, prompts, max_new_tokens=40)
+
+
+@pytest.mark.parametrize("method", ["ngram", "layerskip",
+                                    "layerskip_dynamic_k", "retrieval",
+                                    "draft_self"])
+def test_speculative_greedy_identity(smollm2, ar_rows, method,
+                                     tmp_path_factory):
+  """Invariant: at T = 0, speculative decoding of a ragged batch of 4 chat
+  prompts equals AR decoding token for token on SmolLM2, for every drafter,
+  with drafts really accepted (fewer target forwards than tokens). With the
+  target as its own draft model every draft is accepted."""
+  prompts, ar = ar_rows
+  drafter, dparams, k = _drafter(smollm2, method, tmp_path_factory)
+  spec = runner.generate_ids(smollm2, prompts, max_new_tokens=40,
+                             drafter=drafter, num_draft=k,
+                             drafter_params=dparams)
   for a, s in zip(ar.rows, spec.rows):
     assert s.output_ids == a.output_ids
     assert s.stop_reason == a.stop_reason
   assert spec.num_steps < ar.num_steps
   assert sum(sum(r.accepted_at) for r in spec.rows) > 0
+  if method == "draft_self":
+    assert all(r.accepted_at[-1] >= r.target_forwards - 1 for r in spec.rows)

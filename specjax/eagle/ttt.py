@@ -1,0 +1,153 @@
+"""EAGLE-3's training-time test (TTT): K unrolled draft steps, one ``lax.scan``.
+
+Alignment (eagle3.md §2; our indexing, one convention everywhere): ``x`` are
+the ids, ``taps[t]`` the target's fused features at position t and
+``target_logits[t]`` its (Vd-restricted) logits there, i.e. its distribution
+of ``x[t+1]``. At TTT step k (0-based) query position t gets
+
+  token   x[t + 1 + k]                     (always the *true* token)
+  feature fc(taps[t]) at k = 0, else the head's own step k-1 output at t
+  RoPE    position t + k
+  target  target_logits[t + 1 + k]          (the distribution of x[t + 2 + k])
+  weight  0.8^k, counted iff x[t + 2 + k] is an assistant token and the
+          target's argmax there is in the draft vocabulary.
+
+Attention at step k: causal over the step-0 keys, plus the keys that steps
+1..k computed at the query's *own* position ("diagonal" blocks); ``dense_mask``
+spells that rule out as one ``[T, (k+1) T]`` mask for reference code. The
+scan keeps the diagonal keys in a fixed ``[K-1, B, T, G, H]`` buffer and masks
+steps not yet run, so shapes never change.
+
+Loss per step: soft cross-entropy against the target distribution
+renormalized over Vd, averaged over that step's counted positions (the
+reference averages over all B·T positions, which scales the loss by each
+batch's share of assistant tokens; we divide by the count instead). Total =
+Σ_k 0.8^k · loss_k. Accuracy per step: draft argmax == target argmax.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from specjax.eagle.head import Eagle3Head, HeadConfig, attend
+from specjax.eagle.vocab import DraftVocab
+from specjax.models import llama
+from specjax.models.config import ModelConfig
+
+
+@struct.dataclass
+class TTTBatch:
+  """One training batch, everything the frozen target contributes included.
+
+  Attributes:
+    tokens: ``int32[B, T]`` ids (right-padded).
+    taps: ``[B, T, len(taps) * D]`` target features.
+    target_logits: ``f32[B, T, Vd]`` target logits at the draft ids.
+    target_in_vocab: ``bool[B, T]`` the target's argmax is in Vd.
+    loss_mask: ``bool[B, T]`` token t is an assistant token (to be learnt).
+  """
+  tokens: jax.Array
+  taps: jax.Array
+  target_logits: jax.Array
+  target_in_vocab: jax.Array
+  loss_mask: jax.Array
+
+
+def target_batch(target_params: llama.LlamaParams, target_cfg: ModelConfig,
+                 head_cfg: HeadConfig, vocab: DraftVocab, tokens_BT,
+                 loss_mask_BT) -> TTTBatch:
+  """Runs the frozen target once over the batch (no cache reuse needed)."""
+  B, T = tokens_BT.shape
+  cache = llama.init_cache(target_cfg, B, T, target_params.embed.dtype)
+  out = llama.forward(target_params, target_cfg, tokens_BT, cache,
+                      taps=head_cfg.taps)
+  taps_BTF = jnp.concatenate(list(out.taps), axis=-1)  # low, mid, high
+  logits = out.logits
+  in_vocab = vocab.in_vocab[jnp.argmax(logits, axis=-1)]
+  return TTTBatch(tokens=tokens_BT, taps=jax.lax.stop_gradient(taps_BTF),
+                  target_logits=logits[..., vocab.ids],
+                  target_in_vocab=in_vocab,
+                  loss_mask=jnp.asarray(loss_mask_BT, bool))
+
+
+def dense_mask(T: int, k: int) -> np.ndarray:
+  """``bool[T, (k+1) T]``: query t at step k vs the keys of steps 0..k laid
+  side by side -- causal on step 0, own position only on steps 1..k."""
+  q = np.arange(T)[:, None]
+  kv = np.arange((k + 1) * T)[None, :]
+  return ((kv < T) & (kv <= q)) | ((kv >= T) & ((kv - q) % T == 0))
+
+
+def _shifted(batch: TTTBatch, K: int):
+  """Arrays padded at the end so step k reads ``[k + offset, k + offset + T)``."""
+  pad = K + 2
+  padded = lambda a, fill: jnp.concatenate(
+      [a, jnp.full((a.shape[0], pad) + a.shape[2:], fill, a.dtype)], axis=1)
+  return dict(tokens=padded(batch.tokens, 0),
+              logits=padded(batch.target_logits, 0.0),
+              in_vocab=padded(batch.target_in_vocab, False),
+              loss_mask=padded(batch.loss_mask, False))
+
+
+def _step_inputs(p: dict, k, T: int):
+  take = lambda a, off: jax.lax.dynamic_slice_in_dim(a, k + off, T, axis=1)
+  tok = take(p["tokens"], 1)
+  logits = take(p["logits"], 1)
+  weight = take(p["loss_mask"], 2) & take(p["in_vocab"], 1)
+  return tok, logits, weight
+
+
+def _step_loss(draft_logits, target_logits, weight):
+  """Soft CE over Vd and argmax accuracy, averaged over counted positions."""
+  w = weight.astype(jnp.float32)
+  n = jnp.maximum(jnp.sum(w), 1.0)
+  target_p = jax.nn.softmax(target_logits, axis=-1)
+  ce = -jnp.sum(target_p * jax.nn.log_softmax(draft_logits, axis=-1), -1)
+  hit = jnp.argmax(draft_logits, -1) == jnp.argmax(target_logits, -1)
+  return jnp.sum(w * ce) / n, jnp.sum(w * hit) / n, jnp.sum(w)
+
+
+def ttt_loss(params, cfg: HeadConfig, embed_VD, batch: TTTBatch,
+             num_steps: int = 7, decay: float = 0.8):
+  """Σ_k decay^k · loss_k over ``num_steps`` unrolled steps (``lax.scan``).
+
+  Returns ``(loss, metrics)`` with per-step ``loss``, ``acc`` and ``count``
+  arrays of length ``num_steps``.
+  """
+  head = Eagle3Head(cfg)
+  call = lambda method, *a: head.apply({"params": params}, *a, method=method)
+  B, T = batch.tokens.shape
+  K = num_steps
+  p = _shifted(batch, K)
+  pos_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
+  causal = jnp.tril(jnp.ones((T, T), bool))[None]
+
+  tok, tgt, w = _step_inputs(p, 0, T)
+  h = call(Eagle3Head.features, batch.taps)
+  q, k0, v0 = call(Eagle3Head.project, tok, h, embed_VD, pos_BT)
+  out = call(Eagle3Head.finish, h, attend(q, [(k0, v0, causal)]))
+  first = _step_loss(call(Eagle3Head.logits, out), tgt, w)
+  if K == 1:
+    stats = [jnp.stack([x]) for x in first]
+  else:
+    G, H = cfg.num_kv_heads, cfg.head_dim
+    zeros = jnp.zeros((K - 1, B, T, G, H), k0.dtype)
+
+    def body(carry, k):
+      h, kd, vd = carry
+      tok, tgt, w = _step_inputs(p, k, T)
+      q, kk, vv = call(Eagle3Head.project, tok, h, embed_VD, pos_BT + k)
+      kd, vd = kd.at[k - 1].set(kk), vd.at[k - 1].set(vv)
+      blocks = [(k0, v0, causal)] + [
+          (kd[j], vd[j], jnp.broadcast_to(j < k, (B, T))) for j in range(K - 1)]
+      out = call(Eagle3Head.finish, h, attend(q, blocks))
+      return (out, kd, vd), _step_loss(call(Eagle3Head.logits, out), tgt, w)
+
+    _, rest = jax.lax.scan(body, (out, zeros, zeros), jnp.arange(1, K))
+    stats = [jnp.concatenate([jnp.stack([a]), b]) for a, b in zip(first, rest)]
+  losses, accs, counts = stats
+  total = jnp.sum(decay ** jnp.arange(K) * losses)
+  return total, dict(loss=losses, acc=accs, count=counts)

@@ -1,0 +1,50 @@
+"""The draft vocabulary: the Vd most frequent target tokens of the training data.
+
+The head scores only these Vd ids (a smaller LM head: most of its FLOPs);
+tokens outside can never be drafted, which costs acceptance, never exactness
+(verification always uses the full target distribution). Ids are kept sorted
+so draft index i maps to target id ``ids[i]`` (the reference stores the same
+map as offsets ``d2t[i] = ids[i] - i``).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import jax
+import numpy as np
+from flax import struct
+
+
+@struct.dataclass
+class DraftVocab:
+  """Attributes:
+    ids: ``int32[Vd]`` target ids of the draft vocabulary, ascending.
+    in_vocab: ``bool[V]`` whether a target id is in it.
+  """
+  ids: jax.Array
+  in_vocab: jax.Array
+
+  @property
+  def size(self) -> int:
+    return self.ids.shape[0]
+
+
+def build_draft_vocab(token_streams: Iterable[Sequence[int]], vocab_size: int,
+                      size: int, always: Sequence[int] = ()) -> DraftVocab:
+  """Counts ids over ``token_streams`` (e.g. assistant tokens only) and keeps
+  the ``size`` most frequent, plus every id in ``always`` (EOS must stay
+  draftable); ties and unseen ids are filled in id order."""
+  if not 0 < size <= vocab_size:
+    raise ValueError(f"draft vocab size must be in [1, {vocab_size}], got "
+                     f"{size}")
+  counts = np.zeros(vocab_size, np.int64)
+  for s in token_streams:
+    np.add.at(counts, np.asarray(s, np.int64), 1)
+  forced = np.unique(np.asarray(list(always), np.int64))
+  counts[forced] = np.iinfo(np.int64).max  # first in line
+  order = np.argsort(-counts, kind="stable")  # stable: ties by id
+  ids = np.sort(order[:size]).astype(np.int32)
+  in_vocab = np.zeros(vocab_size, bool)
+  in_vocab[ids] = True
+  return DraftVocab(ids=ids, in_vocab=in_vocab)

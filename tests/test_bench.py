@@ -1,0 +1,45 @@
+"""``specjax.bench``: the JSON contract and the bookkeeping behind it."""
+
+import numpy as np
+
+from specjax import bench, methods
+from specjax.sampling import SamplingParams
+
+CONTRACT = ("method", "dataset", "temperature", "num_prompts", "new_tokens",
+            "tau", "acceptance_per_position", "tokens_per_s",
+            "ar_tokens_per_s", "speedup", "greedy_identical", "time_split",
+            "config", "git_sha")
+
+
+def test_bench_contract_on_smollm2(smollm2):
+  """Invariants on a small real run (2 prompts, n-gram, K = 3, T = 0):
+  every contract field is present; greedy output equals AR; the accepted
+  length histogram sums to the verify steps and reproduces the per-position
+  acceptance and (up to budget cuts) τ; the time split is a partition of the wall time;
+  each result reaches ``on_result`` as soon as it is measured."""
+  prompts = [smollm2.tokenizer.encode_chat(p) for p in
+             ("Repeat after me: one two three, one two three.",
+              "Count from 1 to 12, separated by commas.")]
+  seen = []
+  [res] = bench.run(smollm2, [methods.MethodSpec("ngram", num_draft=3)],
+                    prompts, max_new_tokens=24, sampling=SamplingParams(),
+                    dataset="unit", on_result=seen.append, progress=False)
+  assert seen == [res]
+  assert all(k in res for k in CONTRACT)
+  assert res["greedy_identical"] is True and res["rows_differing_from_ar"] == 0
+  hist = np.array(res["accepted_length_histogram"])
+  assert len(hist) == 4 and hist.sum() == res["target_forwards"]
+  # Verified tokens per step = accepted drafts + one correction/bonus; a
+  # row's last block may be cut at its budget (at most K tokens per row).
+  verified = (hist * np.arange(4)).sum() + hist.sum()
+  emitted = res["tau"] * res["target_forwards"]
+  assert 0 <= verified - emitted <= 3 * len(prompts) + 1e-6
+  assert res["tau"] > 1
+  p_ge = hist[::-1].cumsum()[::-1] / hist.sum()  # P(accepted >= j)
+  np.testing.assert_allclose(res["acceptance_per_position"], p_ge[1:],
+                             atol=1e-4)
+  split = res["time_split"]
+  assert set(split) == {"draft_s", "verify_s", "rest_s"}
+  assert all(v >= 0 for v in split.values())
+  assert sum(split.values()) >= 0.999  # == 1 unless rest was clipped at 0
+  assert res["speedup"] > 0 and res["predicted_speedup"] > 0

@@ -1,0 +1,69 @@
+"""The tuner: theory + a cost curve + acceptance priors -> method and K."""
+
+import pytest
+
+from specjax import theory, tuner
+
+# A memory-bound curve: a verify over t tokens costs barely more than one.
+FLAT = tuner.CostCurve(forward=(0.0,) + tuple(0.030 + 0.001 * t
+                                                for t in range(1, 10)),
+                       rest=0.002, num_layers=30)
+# A compute-bound curve: every extra token costs most of a forward.
+STEEP = tuner.CostCurve(forward=(0.0,) + tuple(0.030 * t for t in range(1, 10)),
+                        rest=0.002, num_layers=30)
+
+
+@pytest.fixture
+def priors(monkeypatch):
+  table = {("ngram", "chat"): {0.0: 0.8, 1.0: 0.4},
+           ("layerskip", "chat"): {0.0: 0.3, 1.0: 0.2}}
+  monkeypatch.setattr(tuner, "PRIORS", table)
+  return table
+
+
+def test_picks_the_theory_optimum(priors):
+  """Invariant: with a flat verify curve and α = 0.8 the pick is n-gram at
+  the K that maximises theory's speedup under the same costs, and the
+  predicted speedup equals that maximum."""
+  rec = tuner.recommend(tuner.Workload(), FLAT, methods=("ngram",))
+  def gain(k):
+    step = FLAT.forward[k + 1] + FLAT.rest
+    return FLAT.ar_step * theory.expected_tokens(0.8, k) / step
+  best = max(range(1, tuner.K_MAX + 1), key=gain)
+  assert (rec.method, rec.num_draft) == ("ngram", best)
+  assert rec.expected_speedup == pytest.approx(gain(best))
+  assert rec.expected_speedup > 2
+
+
+def test_falls_back_to_ar_where_speculation_cannot_pay(priors):
+  """Invariant: when every verify token costs a forward, low α cannot
+  pay for it and the tuner says AR, with the reason."""
+  rec = tuner.recommend(tuner.Workload(temperature=1.0), STEEP)
+  assert rec.method == "ar" and rec.num_draft == 0
+  assert rec.expected_speedup == 1.0
+  assert any("beat AR" in line for line in rec.reasoning)
+
+
+def test_temperature_interpolates_and_tasks_borrow(priors):
+  """Invariants: α is linear in temperature between the measured points and
+  clamped outside; an unmeasured task borrows and says so."""
+  assert tuner.alpha_for("ngram", "chat", 0.5)[0] == pytest.approx(0.6)
+  assert tuner.alpha_for("ngram", "chat", 1.7)[0] == pytest.approx(0.4)
+  alpha, why = tuner.alpha_for("ngram", "summarize", 0.0)
+  assert alpha == pytest.approx(0.8) and "borrowed from chat" in why
+  assert tuner.alpha_for("retrieval", "chat", 0.0)[0] is None
+
+
+def test_latency_target_is_judged(priors):
+  """Invariant: the latency verdict compares predicted ms/token to the target."""
+  rec = tuner.recommend(tuner.Workload(latency_target_ms=1.0), FLAT)
+  assert rec.meets_latency_target is False
+  rec = tuner.recommend(tuner.Workload(latency_target_ms=1e4), FLAT)
+  assert rec.meets_latency_target is True
+
+
+def test_workload_validation():
+  with pytest.raises(ValueError, match="unknown task"):
+    tuner.Workload(task="poetry")
+  with pytest.raises(ValueError, match="temperature"):
+    tuner.Workload(temperature=-1)
