@@ -70,6 +70,14 @@ def _build_parser() -> argparse.ArgumentParser:
                  help="wanted milliseconds per token per row")
   t.add_argument("--json", action="store_true", help="print JSON")
 
+  tr = sub.add_parser("train", help="train an EAGLE-3 head (resumable)")
+  tr.add_argument("--config", required=True,
+                  help="a Python file whose config() returns a TrainConfig")
+  tr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                  help="override a config field (repeatable)")
+  tr.add_argument("--workdir", required=True,
+                  help="checkpoints, metrics.jsonl; rerun to resume")
+
   d = sub.add_parser("demo", help="SmolLM2 decoding demo (the README's main job)")
   d.add_argument("--max-new-tokens", type=int, default=96)
   return p
@@ -342,6 +350,30 @@ def cmd_tune(args) -> int:
   return 0
 
 
+def cmd_train(args) -> int:
+  import runpy
+  from specjax.eagle import train
+  try:
+    module = runpy.run_path(args.config)
+  except (OSError, SyntaxError) as e:
+    raise UsageError(f"cannot load --config {args.config!r}: {e}") from None
+  if not callable(module.get("config")):
+    raise UsageError(f"--config {args.config!r} defines no config() function")
+  cfg = module["config"]()
+  if not isinstance(cfg, train.TrainConfig):
+    raise UsageError(f"--config {args.config!r}: config() must return a "
+                     "TrainConfig")
+  try:
+    cfg = train.override(cfg, args.set)
+  except ValueError as e:
+    raise UsageError(str(e)) from None
+  model = _load(cfg.model)  # a bad model fails here, before any data work
+  run = train.train(cfg, args.workdir, model=model)
+  print(json.dumps(dict(step=run.step, workdir=args.workdir,
+                        last_loss=run.losses.get(run.step - 1))))
+  return 0
+
+
 def cmd_demo(args) -> int:
   from specjax import demo
   if args.max_new_tokens < 1:
@@ -354,7 +386,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   try:
     args = _build_parser().parse_args(argv)
     return {"generate": cmd_generate, "bench": cmd_bench, "tune": cmd_tune,
-            "demo": cmd_demo}[args.command](args)
+            "train": cmd_train, "demo": cmd_demo}[args.command](args)
   except UsageError as e:
     print(f"specjax: error: {e}", file=sys.stderr)
     return EXIT_USAGE

@@ -66,9 +66,9 @@ def target_batch(target_params: llama.LlamaParams, target_cfg: ModelConfig,
                       taps=head_cfg.taps)
   taps_BTF = jnp.concatenate(list(out.taps), axis=-1)  # low, mid, high
   logits = out.logits
-  in_vocab = vocab.in_vocab[jnp.argmax(logits, axis=-1)]
+  in_vocab = jnp.asarray(vocab.in_vocab)[jnp.argmax(logits, axis=-1)]
   return TTTBatch(tokens=tokens_BT, taps=jax.lax.stop_gradient(taps_BTF),
-                  target_logits=logits[..., vocab.ids],
+                  target_logits=logits[..., jnp.asarray(vocab.ids)],
                   target_in_vocab=in_vocab,
                   loss_mask=jnp.asarray(loss_mask_BT, bool))
 

@@ -1,0 +1,224 @@
+"""Training an EAGLE-3 head: optax AdamW, orbax checkpoints, exact resume.
+
+``train(cfg, workdir)`` is resumable: it restores the newest checkpoint in
+``workdir/ckpt`` (params, optimizer state and step) and continues; the batch
+at every step is a pure function of (seed, step) (``data.batch_indices``), so
+an interrupted run continues with the very losses an uninterrupted one has.
+Metrics go to ``workdir/metrics.jsonl`` (one line per logged step, appended,
+the file is truncated back to the restored step on resume) and the trained
+head to ``workdir/head`` (``export``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import time
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from specjax.eagle import data as edata
+from specjax.eagle.head import Eagle3Head, HeadConfig
+from specjax.eagle.ttt import target_batch, ttt_loss
+from specjax.eagle.vocab import DraftVocab, build_draft_vocab
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """Everything a run depends on (``specjax train --set key=value``).
+
+  Attributes:
+    model: target model (name, .gguf or HF dir).
+    num_conversations: ShareGPT conversations read (before the split).
+    heldout: conversations kept out for evaluation.
+    max_len: tokens per example (truncated / padded).
+    batch_size: examples per step.
+    steps: optimizer steps in total.
+    ttt_steps: TTT length K (unrolled draft steps).
+    ttt_warm_steps, ttt_warm_fraction: a shorter TTT for the first fraction
+      of steps (half the cost per step while the head is far from useful).
+    draft_vocab: Vd.
+    lr, warmup, final_lr_fraction, weight_decay, clip_norm, b2: optimizer.
+    seed: data order and init.
+    checkpoint_every, keep: orbax checkpoint cadence and retention.
+    log_every: metrics cadence.
+  """
+  model: str = "smollm2-135m"
+  num_conversations: int = 4000
+  heldout: int = 64
+  max_len: int = 512
+  batch_size: int = 2
+  steps: int = 1000
+  ttt_steps: int = 7
+  ttt_warm_steps: int = 3
+  ttt_warm_fraction: float = 0.0
+  draft_vocab: int = 16384
+  lr: float = 3e-4
+  warmup: int = 20
+  final_lr_fraction: float = 0.1
+  weight_decay: float = 0.0
+  clip_norm: float = 0.5
+  b2: float = 0.95
+  seed: int = 0
+  checkpoint_every: int = 50
+  keep: int = 3
+  log_every: int = 10
+
+  def ttt_at(self, step: int) -> int:
+    warm = step < int(self.ttt_warm_fraction * self.steps)
+    return self.ttt_warm_steps if warm else self.ttt_steps
+
+
+def override(cfg: TrainConfig, assignments: list[str]) -> TrainConfig:
+  """Applies ``key=value`` strings, typed by the field's default."""
+  fields = {f.name: f for f in dataclasses.fields(cfg)}
+  changes = {}
+  for a in assignments:
+    key, sep, value = a.partition("=")
+    if not sep or key not in fields:
+      raise ValueError(f"--set {a!r}: expected key=value with key one of "
+                       f"{', '.join(fields)}")
+    kind = type(getattr(cfg, key))
+    try:
+      changes[key] = (value if kind is str else
+                      value.lower() in ("1", "true", "yes") if kind is bool
+                      else kind(value))
+    except ValueError:
+      raise ValueError(f"--set {key}: {value!r} is not a {kind.__name__}"
+                       ) from None
+  return dataclasses.replace(cfg, **changes)
+
+
+def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+  schedule = optax.warmup_cosine_decay_schedule(
+      0.0, cfg.lr, max(cfg.warmup, 1), max(cfg.steps, cfg.warmup + 1),
+      end_value=cfg.lr * cfg.final_lr_fraction)
+  return optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
+                     optax.adamw(schedule, b1=0.9, b2=cfg.b2,
+                                 weight_decay=cfg.weight_decay))
+
+
+def init_head(key, hcfg: HeadConfig, target_params, vocab: DraftVocab):
+  """Random init, then warm starts from the target: the LM head from the
+  target's output rows of the draft vocabulary, the final norm from its."""
+  B, T = 1, 4
+  params = Eagle3Head(hcfg).init(
+      key, jnp.zeros((B, T, len(hcfg.taps) * hcfg.target_dim)),
+      jnp.zeros((B, T), jnp.int32), target_params.embed,
+      jnp.zeros((B, T), jnp.int32))["params"]
+  out_VD = (target_params.embed if target_params.lm_head is None
+            else target_params.lm_head)
+  params = dict(params)
+  params["lm_head"] = {"kernel": jnp.asarray(out_VD[vocab.ids].T)}
+  params["norm"] = {"scale": jnp.asarray(target_params.final_norm)}
+  return params
+
+
+@dataclasses.dataclass
+class Run:
+  """What ``train`` returns: the final params and the per-step losses."""
+  params: Any
+  losses: dict
+  step: int
+
+
+def train(cfg: TrainConfig, workdir: str, *, model=None,
+          examples: Optional[edata.Examples] = None, stop_after: Optional[int]
+          = None, progress: bool = True) -> Run:
+  """Trains (or resumes) a head; see the module doc.
+
+  ``model``/``examples`` override loading (tests); ``stop_after`` ends the
+  process-level run early at that step, as an interruption would.
+  """
+  import orbax.checkpoint as ocp
+  from tqdm.auto import tqdm
+
+  from specjax.models.registry import load_model
+  work = pathlib.Path(workdir).absolute()
+  work.mkdir(parents=True, exist_ok=True)
+  (work / "config.json").write_text(json.dumps(dataclasses.asdict(cfg),
+                                               indent=1))
+  model = model or load_model(cfg.model)
+  tcfg, tparams = model.config, model.params
+  if examples is None:
+    examples = edata.sharegpt_examples(model.tokenizer, cfg.num_conversations,
+                                       cfg.max_len, progress=progress)
+  train_ex, _ = edata.split(examples, cfg.heldout, cfg.seed)
+  vocab = build_draft_vocab(
+      (r[m] for r, m in zip(train_ex.ids, train_ex.mask)), tcfg.vocab_size,
+      min(cfg.draft_vocab, tcfg.vocab_size), always=tcfg.eos_ids)
+  hcfg = HeadConfig.for_target(tcfg, vocab.size)
+  opt = optimizer(cfg)
+
+  params = init_head(jax.random.key(cfg.seed), hcfg, tparams, vocab)
+  state = {"params": params, "opt": opt.init(params)}
+  mngr = ocp.CheckpointManager(
+      work / "ckpt", options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep))
+  start = 0
+  if mngr.latest_step() is not None:
+    start = mngr.latest_step()
+    state = mngr.restore(start, args=ocp.args.StandardRestore(
+        jax.tree.map(ocp.utils.to_shape_dtype_struct, state)))
+  metrics_path = work / "metrics.jsonl"
+  _truncate_metrics(metrics_path, start)
+
+  # Target params and the vocabulary are arguments, not closed-over
+  # constants: XLA would otherwise fold 0.5 GB of weights into the program.
+  features = jax.jit(lambda tp, voc, tok, mask: target_batch(
+      tp, tcfg, hcfg, voc, tok, mask))
+
+  def make_step(K):
+    @jax.jit
+    def step_fn(state, batch, embed_VD):
+      (loss, m), g = jax.value_and_grad(
+          lambda p: ttt_loss(p, hcfg, embed_VD, batch, K),
+          has_aux=True)(state["params"])
+      upd, opt_state = opt.update(g, state["opt"], state["params"])
+      return ({"params": optax.apply_updates(state["params"], upd),
+               "opt": opt_state}, loss, m, optax.global_norm(g))
+    return step_fn
+
+  steps = {}
+  losses = {}
+  end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+  bar = tqdm(range(start, end), initial=start, total=cfg.steps, desc="train",
+             disable=not progress)
+  tokens_seen, t0 = 0, time.perf_counter()
+  for step in bar:
+    idx = edata.batch_indices(step, len(train_ex), cfg.batch_size, cfg.seed)
+    ex = train_ex.take(idx)
+    batch = features(tparams, vocab, ex.ids, ex.mask)
+    K = cfg.ttt_at(step)
+    if K not in steps:
+      steps[K] = make_step(K)
+    state, loss, m, gnorm = steps[K](state, batch, tparams.embed)
+    losses[step] = float(loss)
+    tokens_seen += int(ex.lengths.sum())
+    if (step + 1) % cfg.log_every == 0 or step + 1 == end:
+      acc = [round(float(a), 4) for a in m["acc"]]
+      rec = dict(step=step + 1, loss=round(float(loss), 5), acc=acc,
+                 ttt=K, grad_norm=round(float(gnorm), 4),
+                 tokens_per_s=round(tokens_seen / (time.perf_counter() - t0),
+                                    1))
+      with open(metrics_path, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+      bar.set_postfix(loss=f"{float(loss):.3f}",
+                      acc="/".join(f"{a:.2f}" for a in acc[:3]))
+    if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+      mngr.save(step + 1, args=ocp.args.StandardSave(state))
+  mngr.wait_until_finished()
+  return Run(params=state["params"], losses=losses, step=end)
+
+
+def _truncate_metrics(path: pathlib.Path, step: int) -> None:
+  """Drops metric lines past the restored step (they will be redone)."""
+  if not path.is_file():
+    return
+  keep = [l for l in path.read_text().splitlines()
+          if l.strip() and json.loads(l)["step"] <= step]
+  path.write_text("".join(l + "\n" for l in keep))
