@@ -66,8 +66,12 @@ def encode_conversation(tokenizer: Tokenizer,
         raise ValueError("chat template is not prefix-stable")
       new = tokenizer.backend.encode(full[len(text):],
                                      add_special_tokens=False).ids
+      # Learn the reply up to its end-of-turn token, not the template's
+      # newline after it (decoding stops at the EOS).
+      cut = next((j + 1 for j, x in enumerate(new)
+                  if x in tokenizer.eos_ids), len(new)) if learn else 0
       ids += new
-      mask += [learn] * len(new)
+      mask += [True] * cut + [False] * (len(new) - cut)
       text = full
   return ids, mask
 
