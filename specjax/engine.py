@@ -123,6 +123,18 @@ def _update_stops(state: DecodeState, hit_eos_B: jax.Array,
   return state.replace(stop_reason=reason)
 
 
+def _feature_taps(dcfg: DecodeConfig) -> tuple[int, ...]:
+  """Target layers whose inputs the drafter reads (EAGLE); usually none."""
+  return tuple(getattr(dcfg.drafter, "feature_taps", ()) or ())
+
+
+def _features(out: llama.ForwardOutput):
+  """``[B, T, n_taps * D]`` tapped hidden states side by side, or None."""
+  if out.taps is None:
+    return None
+  return jnp.concatenate(list(out.taps), axis=-1)
+
+
 def _is_eos(tokens, dcfg: DecodeConfig):
   return jnp.isin(tokens, jnp.asarray(dcfg.eos_ids or (-1,), jnp.int32))
 
@@ -146,7 +158,8 @@ def prefill(params: llama.LlamaParams, prompt_BT: jax.Array,
     raise ValueError(f"prompt bucket {Tp} must be below cache capacity {S}")
   lengths = jnp.asarray(prompt_lengths_B, jnp.int32)
   cache = llama.init_cache(model_cfg, B, S, params.embed.dtype)
-  out = llama.forward(params, model_cfg, prompt_BT, cache,
+  taps = _feature_taps(dcfg)
+  out = llama.forward(params, model_cfg, prompt_BT, cache, taps=taps,
                       logit_positions_BP=(lengths - 1)[:, None])
   key, sub = jax.random.split(key)
   first_B = sample_logits(out.logits[:, 0], dcfg.sampling, sub)
@@ -154,7 +167,8 @@ def prefill(params: llama.LlamaParams, prompt_BT: jax.Array,
   tokens = tokens.at[jnp.arange(B), lengths].set(first_B, mode="drop")
   drafter_state = None
   if dcfg.drafter is not None:
-    drafter_state = dcfg.drafter.init(drafter_params, prompt_BT, lengths, S)
+    drafter_state = dcfg.drafter.init(drafter_params, prompt_BT, lengths, S,
+                                      _features(out))
   zeros_B = jnp.zeros((B,), jnp.int32)
   state = DecodeState(
       tokens=tokens, num_tokens=lengths + 1, prompt_lengths=lengths,
@@ -190,7 +204,8 @@ def step(params: llama.LlamaParams, state: DecodeState, *,
 
   last_B = state.tokens[rows, state.num_tokens - 1]
   block_BT = jnp.concatenate([last_B[:, None], draft_BK], axis=1)
-  out = llama.forward(params, model_cfg, block_BT, state.cache)
+  out = llama.forward(params, model_cfg, block_BT, state.cache,
+                      taps=_feature_taps(dcfg))
   res = verify_chain(draft_BK, draft_probs, warp(out.logits, dcfg.sampling),
                      num_draft_B, k_verify, greedy=dcfg.sampling.greedy)
 
@@ -209,7 +224,7 @@ def step(params: llama.LlamaParams, state: DecodeState, *,
   num_tokens = state.num_tokens + n_B
   if K:
     drafter_state = dcfg.drafter.commit(drafter_params, drafter_state, tokens,
-                                        num_tokens)
+                                        num_tokens, _features(out))
   acc_BK = (jnp.arange(K)[None, :] < res.num_accepted[:, None]) & live_B[:, None]
   state = state.replace(
       tokens=tokens, num_tokens=num_tokens,

@@ -180,3 +180,73 @@ def test_tiny_overfit(tmp_path):
   assert float(loss) - floor < 0.5 * (float(loss0) - floor)
   assert float(m["acc"][0]) > float(m0["acc"][0]) + 0.2
   assert float(m["acc"][1]) > float(m0["acc"][1]) + 0.2
+
+
+def test_eagle3_chain_drafting_greedy_identity(tmp_path):
+  """Invariants with an untrained (random) head on a tiny target, ragged
+  batch: (1) T = 0 EAGLE-3 speculative output equals AR token for token --
+  the head's features, pending pairs and cache rollback cannot change what
+  is emitted; (2) the drafter's stable cache length tracks the committed
+  tokens (num_tokens - 1) for every running row; (3) a head trained for a
+  moment on the target's own greedy text gets drafts accepted."""
+  from specjax import bucketing, engine
+  from specjax.eagle.drafter import Eagle3Drafter, Eagle3Params
+  from specjax.models.hf_loader import load_hf
+  from tests.tiny_hf import make_tiny
+  make_tiny("llama_gqa_tied", tmp_path, seed=3)
+  tcfg, tparams = load_hf(tmp_path)
+  hcfg = HeadConfig.for_target(tcfg, 37, taps=(0, 1, 2))
+  vocab = build_draft_vocab([np.arange(37)], 37, 37)
+  head = Eagle3Head(hcfg).init(
+      jax.random.key(0), jnp.zeros((1, 4, 72)), jnp.zeros((1, 4), jnp.int32),
+      tparams.embed, jnp.zeros((1, 4), jnp.int32))["params"]
+  prompts = [[5, 6, 7, 8, 5, 6, 7], [9, 1, 9], [3, 4, 3, 4, 3, 4, 3, 4, 3, 4],
+             [20]]
+  prompt_BT, lengths = bucketing.pad_prompts(prompts)
+
+  def run(dcfg, dparams=None):
+    st = engine.generate_jit(tparams, prompt_BT, lengths, jax.random.key(0),
+                             np.int32(24), model_cfg=tcfg, dcfg=dcfg,
+                             drafter_params=dparams)
+    return [st.tokens[b, lengths[b]:st.num_tokens[b]].tolist()
+            for b in range(4)], st
+
+  ar, _ = run(engine.DecodeConfig(capacity=64))
+  k = 3
+  dparams = Eagle3Params(head=head, draft_ids=jnp.asarray(vocab.ids),
+                         embed=tparams.embed)
+  spec, st = run(engine.DecodeConfig(capacity=64,
+                                     drafter=Eagle3Drafter(hcfg, k),
+                                     num_draft=k), dparams)
+  assert spec == ar
+  num = np.asarray(st.num_tokens)
+  stable = np.asarray(st.drafter_state.lengths)
+  assert ((stable <= num - 1) & (stable >= num - 2 - k)).all()
+
+  # Overfit the head on the target's own greedy continuations: if training
+  # and drafting paired features, tokens and positions differently, drafts
+  # would still be rejected.
+  seqs = [p + o for p, o in zip(prompts, ar)]
+  T = max(map(len, seqs))
+  tokens = jnp.asarray([s + [0] * (T - len(s)) for s in seqs], jnp.int32)
+  mask = jnp.asarray([[len(p) <= t < len(s) for t in range(T)]
+                      for p, s in zip(prompts, seqs)])
+  batch = target_batch(tparams, tcfg, hcfg, vocab, tokens, mask)
+  opt = optax.adam(3e-3)
+  opt_state = opt.init(head)
+
+  @jax.jit
+  def fit(head, opt_state):
+    g = jax.grad(lambda p: ttt_loss(p, hcfg, tparams.embed, batch, k)[0])(head)
+    upd, opt_state = opt.update(g, opt_state, head)
+    return optax.apply_updates(head, upd), opt_state
+
+  for _ in range(150):
+    head, opt_state = fit(head, opt_state)
+  trained, st = run(engine.DecodeConfig(capacity=64,
+                                        drafter=Eagle3Drafter(hcfg, k),
+                                        num_draft=k),
+                    dparams.replace(head=head))
+  assert trained == ar
+  acc = np.asarray(st.accepted_at).sum(0) / np.asarray(st.num_forwards).sum()
+  assert acc[0] > 0.8 and acc[k - 1] > 0.5, acc

@@ -5,14 +5,20 @@ engine -- with three pure methods; its parameters (if any) travel separately
 as a pytree argument and its mutable state (e.g. its own KV cache) lives in
 ``DecodeState.drafter_state``:
 
-  init(params, prompt_BT, prompt_lengths_B, capacity) -> drafter_state
+  init(params, prompt_BT, prompt_lengths_B, capacity, features) -> drafter_state
   propose(params, drafter_state, tokens_BS, num_tokens_B, key, num_draft,
           sampling) -> Proposal
-  commit(params, drafter_state, tokens_BS, num_tokens_B) -> drafter_state
+  commit(params, drafter_state, tokens_BS, num_tokens_B, features)
+      -> drafter_state
 
 ``propose`` sees each row's committed tokens (``tokens[b, :num_tokens[b]]``)
 and returns up to K drafts per row; ``commit`` runs after verification with
 the new ``num_tokens`` so the drafter can roll its own state back by lengths.
+A drafter that reads the target's hidden states (EAGLE) names the layers in
+a ``feature_taps`` attribute; the engine then passes ``features``: the
+concatenated inputs of those target layers for the tokens the target just ran
+(``[B, Tp, F]`` for the prompt at ``init``, ``[B, K + 1, F]`` for
+``[newest token, drafts]`` at ``commit``); otherwise ``features`` is None.
 """
 
 from specjax.drafters.base import Proposal

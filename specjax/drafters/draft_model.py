@@ -55,7 +55,9 @@ class DraftModelDrafter:
     """The draft model's parameters inside the drafter params."""
     return params
 
-  def init(self, params, prompt_BT, prompt_lengths_B, capacity):
+  def init(self, params, prompt_BT, prompt_lengths_B, capacity,
+           features=None):
+    del features
     params = self.draft_params(params)
     cache = llama.init_cache(self.config, prompt_BT.shape[0], capacity,
                              params.embed.dtype)
@@ -63,8 +65,8 @@ class DraftModelDrafter:
                          logit_positions_BP=jnp.zeros_like(prompt_BT[:, :1])
                          ).cache.with_lengths(prompt_lengths_B - 1)
 
-  def commit(self, params, cache, tokens_BS, num_tokens_B):
-    del params, tokens_BS
+  def commit(self, params, cache, tokens_BS, num_tokens_B, features=None):
+    del params, tokens_BS, features
     # Roll back to entries that certainly match committed tokens: everything
     # before the newest two (the accepted drafts it fed are among them).
     return cache.with_lengths(num_tokens_B - 2)

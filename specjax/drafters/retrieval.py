@@ -321,12 +321,13 @@ class RetrievalDrafter:
       raise ValueError(f"need 1 <= n_min <= n_max, got {self.n_min}, "
                        f"{self.n_max}")
 
-  def init(self, params, prompt_BT, prompt_lengths_B, capacity):
-    del params, prompt_BT, prompt_lengths_B, capacity
+  def init(self, params, prompt_BT, prompt_lengths_B, capacity,
+           features=None):
+    del params, prompt_BT, prompt_lengths_B, capacity, features
     return None
 
-  def commit(self, params, state, tokens_BS, num_tokens_B):
-    del params, tokens_BS, num_tokens_B
+  def commit(self, params, state, tokens_BS, num_tokens_B, features=None):
+    del params, tokens_BS, num_tokens_B, features
     return state
 
   def propose(self, params: Datastore, state, tokens_BS, num_tokens_B, key,

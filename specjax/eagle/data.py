@@ -81,7 +81,7 @@ def sharegpt_examples(tokenizer: Tokenizer, num_conversations: int,
                       progress: bool = True) -> Examples:
   """The first ``num_conversations`` ShareGPT chats, cached as ``.npz``."""
   from specjax import data
-  key = json.dumps(dict(v=1, n=num_conversations, T=max_len,
+  key = json.dumps(dict(v=2, n=num_conversations, T=max_len,
                         tok=hashlib.sha256(tokenizer.backend.to_str().encode()
                                            ).hexdigest()[:16]))
   digest = hashlib.sha256(key.encode()).hexdigest()[:16]

@@ -1,0 +1,165 @@
+"""EAGLE-3 chain drafting inside the engine.
+
+The head consumes pairs (target feature at position t, token t + 1). Its
+"stable" KV cache holds one entry per committed pair; it lags the target:
+after a step that committed n tokens, pairs t < n - 1 - c are in the cache
+and the last c pairs (c = accepted + 1) are *pending*: their target features
+came with the verify forward (``commit(features=...)``, kept as
+``pending [B, K + 1, F]``) and their tokens are committed tokens.
+
+``propose`` runs the pending pairs through the head as one padded block of
+K + 1 (ragged c per row), takes the head output at each row's last valid pair
+and drafts K tokens, feeding its own outputs back as features (the scratch
+entries it writes past the stable length are overwritten next time). Draft
+probabilities are the head's warped distribution over Vd scattered into the
+full vocabulary (zero elsewhere), so verification stays exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from specjax.drafters.base import Proposal
+from specjax.eagle.head import Eagle3Head, HeadConfig, attend
+from specjax.sampling import sample, warp
+
+
+@struct.dataclass
+class Eagle3Params:
+  """Drafter params: the head's, the draft vocabulary and the frozen embedding.
+
+  Attributes:
+    head: the ``Eagle3Head`` parameter dict.
+    draft_ids: ``int32[Vd]`` target id of each draft index.
+    embed: ``[V, D]`` the target's token embedding (shared, not copied).
+  """
+  head: Any
+  draft_ids: jax.Array
+  embed: jax.Array
+
+
+@struct.dataclass
+class Eagle3State:
+  """Attributes:
+    k, v: ``[B, S, G, H]`` the head's KV cache.
+    lengths: ``int32[B]`` stable (committed-pair) entries.
+    pending: ``[B, K + 1, F]`` target features of the last verified block.
+  """
+  k: jax.Array
+  v: jax.Array
+  lengths: jax.Array
+  pending: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3Drafter:
+  """Chain drafting with an EAGLE-3 head (``cfg``), ``num_draft`` tokens per
+  step (it must equal ``DecodeConfig.num_draft``: the pending-feature buffer
+  has a fixed ``K + 1`` rows so the decode loop's state keeps its shape)."""
+  cfg: HeadConfig
+  num_draft: int
+
+  @property
+  def feature_taps(self) -> tuple[int, ...]:
+    return self.cfg.taps
+
+  def _call(self, params: Eagle3Params, method, *args):
+    return Eagle3Head(self.cfg).apply({"params": params.head}, *args,
+                                      method=method)
+
+  def _run(self, params, state: Eagle3State, tok_BT, h_BTD):
+    """Head layer over T new pairs written at each row's cache end. Pairs
+    past a row's valid count are harmless: causality hides them from the
+    valid ones, and the next write starts at the row's stable length."""
+    B, T = tok_BT.shape
+    S = state.k.shape[1]
+    pos_BT = state.lengths[:, None] + jnp.arange(T)[None, :]
+    q, k, v = self._call(params, Eagle3Head.project, tok_BT, h_BTD,
+                         params.embed, pos_BT)
+    rows = jnp.arange(B)[:, None]
+    slots = jnp.where(pos_BT < S, pos_BT, S)
+    kc = state.k.at[rows, slots].set(k, mode="drop")
+    vc = state.v.at[rows, slots].set(v, mode="drop")
+    s_S = jnp.arange(S)[None, None, :]
+    mask = s_S <= pos_BT[:, :, None]  # prefix + causal within the block
+    out = self._call(params, Eagle3Head.finish, h_BTD,
+                     attend(q, [(kc, vc, mask)]))
+    return out, state.replace(k=kc, v=vc)
+
+  def init(self, params: Eagle3Params, prompt_BT, prompt_lengths_B, capacity,
+           features=None):
+    """Pairs (g_t, x_{t+1}) for t < len - 1 go in the cache; the last
+    prompt position's feature is pending (its token is the first sample)."""
+    B, Tp = prompt_BT.shape
+    c = self.cfg
+    z = jnp.zeros((B, capacity, c.num_kv_heads, c.head_dim),
+                  params.embed.dtype)
+    state = Eagle3State(k=z, v=z, lengths=jnp.zeros((B,), jnp.int32),
+                        pending=None)
+    h = self._call(params, Eagle3Head.features, features)
+    nxt = jnp.concatenate([prompt_BT[:, 1:], prompt_BT[:, -1:]], axis=1)
+    _, state = self._run(params, state, nxt, h)
+    last = jnp.take_along_axis(
+        features, (prompt_lengths_B - 1)[:, None, None], axis=1)  # [B,1,F]
+    pending = jnp.concatenate(
+        [last, jnp.zeros((B, self.num_draft) + last.shape[2:], last.dtype)],
+        axis=1)
+    return state.replace(lengths=prompt_lengths_B - 1, pending=pending)
+
+  def commit(self, params, state: Eagle3State, tokens_BS, num_tokens_B,
+             features=None):
+    del params, tokens_BS, num_tokens_B
+    return state.replace(pending=features.astype(state.pending.dtype))
+
+  def propose(self, params: Eagle3Params, state: Eagle3State, tokens_BS,
+              num_tokens_B, key, num_draft, sampling) -> Proposal:
+    if num_draft != self.num_draft:
+      raise ValueError(f"Eagle3Drafter built for K={self.num_draft}, asked "
+                       f"for {num_draft}")
+    B, S = tokens_BS.shape
+    K, V = num_draft, params.embed.shape[0]
+    pending = state.pending
+    P = pending.shape[1]  # K + 1 (after the prefill only row 0 is real)
+    # Pending pairs: (g_t, x_{t+1}) for t = lengths .. num_tokens - 2.
+    count_B = num_tokens_B - 1 - state.lengths
+    idx_BP = jnp.clip(state.lengths[:, None] + 1 + jnp.arange(P)[None, :], 0,
+                      S - 1)
+    tok_BP = jnp.take_along_axis(tokens_BS, idx_BP, axis=1)
+    h_BPD = self._call(params, Eagle3Head.features, pending)
+    out_BPD, state = self._run(params, state, tok_BP, h_BPD)
+    stable_B = state.lengths + count_B  # == num_tokens - 1
+    a_BD = jnp.take_along_axis(out_BPD, (count_B - 1)[:, None, None],
+                               axis=1)[:, 0]
+    keys = jax.random.split(key, K)
+
+    def draw(a_BD, k):
+      logits_BVd = self._call(params, Eagle3Head.logits, a_BD[:, None])[:, 0]
+      full_BV = jnp.full((B, V), -jnp.inf, jnp.float32).at[
+          :, params.draft_ids].set(logits_BVd)
+      p_BV = warp(full_BV, sampling)
+      tok_B = (jnp.argmax(p_BV, -1).astype(jnp.int32) if sampling.greedy
+               else sample(p_BV, k))
+      return tok_B, p_BV
+
+    tok_B, p_BV = draw(a_BD, keys[0])
+
+    def body(carry, k):
+      st, a_BD, tok_B = carry
+      out, st = self._run(params, st, tok_B[:, None], a_BD[:, None])
+      nxt, p = draw(out[:, 0], k)
+      return (st.replace(lengths=st.lengths + 1), out[:, 0], nxt), (nxt, p)
+
+    scratch = state.replace(lengths=stable_B)
+    _, (rest_KB, rest_KBV) = jax.lax.scan(body, (scratch, a_BD, tok_B),
+                                          keys[1:])
+    drafts_BK = jnp.concatenate([tok_B[:, None], rest_KB.T], axis=1)
+    probs_BKV = jnp.concatenate([p_BV[:, None],
+                                 jnp.swapaxes(rest_KBV, 0, 1)], axis=1)
+    return Proposal(tokens=drafts_BK, probs=probs_BKV,
+                    num_draft=jnp.full((B,), K, jnp.int32),
+                    state=state.replace(lengths=stable_B))
