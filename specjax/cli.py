@@ -99,6 +99,8 @@ def _add_model_args(p, several: bool = False):
                  "when the draft's top probability falls below this")
   p.add_argument("--draft-model", default=None,
                  help="--method draft: the draft model (.gguf or HF dir)")
+  p.add_argument("--head", default=None,
+                 help="--method eagle3: a head file (default: the shipped one)")
 
 
 def _add_sampling_args(p):
@@ -125,7 +127,7 @@ def _method_specs(args) -> list:
     specs.append(MethodSpec(name=name, num_draft=args.num_draft,
                             layers=args.layers,
                             min_confidence=args.min_confidence,
-                            draft_model=args.draft_model))
+                            draft_model=args.draft_model, head=args.head))
   return specs
 
 

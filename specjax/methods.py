@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Any, Optional
 if TYPE_CHECKING:
   from specjax.models.registry import Model
 
-METHODS = ("ar", "ngram", "draft", "layerskip", "retrieval")
+METHODS = ("ar", "ngram", "draft", "layerskip", "retrieval", "eagle3")
+# Heads shipped inside the package, by target model name.
+SHIPPED_HEADS = {"smollm2-135m": "heads/smollm2-135m-eagle3.npz"}
 
 
 class MethodError(ValueError):
@@ -31,6 +33,7 @@ class MethodSpec:
     min_confidence: dynamic K threshold for model drafters (0 = fixed K).
     draft_model: the "draft" method's model (a name, .gguf or HF dir).
     datastore_conversations: ShareGPT conversations behind "retrieval".
+    head: the "eagle3" head file (None = the one shipped for the model).
   """
   name: str = "ar"
   num_draft: int = 4
@@ -38,6 +41,7 @@ class MethodSpec:
   min_confidence: float = 0.0
   draft_model: Optional[str] = None
   datastore_conversations: Optional[int] = None
+  head: Optional[str] = None
 
   @property
   def k(self) -> int:
@@ -74,6 +78,8 @@ def build(model: Model, spec: MethodSpec) -> tuple[Any, Any]:
       raise MethodError(str(e)) from None
   if spec.name == "draft":
     return _draft_model(model, spec)
+  if spec.name == "eagle3":
+    return _eagle3(model, spec)
   import jax
   from specjax.drafters.retrieval import RetrievalDrafter, sharegpt_datastore
   kw = ({} if spec.datastore_conversations is None
@@ -109,3 +115,28 @@ def _draft_model(model: Model, spec: MethodSpec):
   except ValueError as e:
     raise MethodError(str(e)) from None
   return drafter, draft.params
+
+
+def _eagle3(model: "Model", spec: MethodSpec):
+  import pathlib
+
+  import jax.numpy as jnp
+
+  from specjax.eagle.drafter import Eagle3Drafter, Eagle3Params
+  from specjax.eagle.export import load_head
+  path = spec.head
+  if path is None:
+    shipped = SHIPPED_HEADS.get(model.config.name)
+    path = shipped and pathlib.Path(__file__).parent / shipped
+    if not path or not path.is_file():
+      raise MethodError(
+          f"no EAGLE-3 head ships for {model.config.name!r} yet: train one "
+          "(specjax train --config experiments/eagle3_smollm2.py --workdir "
+          "DIR) and pass --head DIR/head.npz")
+  try:
+    cfg, head, draft_ids = load_head(path, model.config)
+  except ValueError as e:
+    raise MethodError(str(e)) from None
+  params = Eagle3Params(head=head, draft_ids=draft_ids,
+                        embed=jnp.asarray(model.params.embed))
+  return Eagle3Drafter(cfg, spec.num_draft), params

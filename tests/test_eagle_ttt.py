@@ -250,3 +250,52 @@ def test_eagle3_chain_drafting_greedy_identity(tmp_path):
   assert trained == ar
   acc = np.asarray(st.accepted_at).sum(0) / np.asarray(st.num_forwards).sum()
   assert acc[0] > 0.8 and acc[k - 1] > 0.5, acc
+
+
+def test_leviathan_with_real_head_draft_probabilities(tmp_path):
+  """Invariant: with the draft distributions an EAGLE-3 head really proposes
+  from (T = 1, draft vocabulary 29 of 37 tokens: zero mass outside) and the
+  tiny target's distributions, the first emitted token of 50,000 chain
+  verifications follows the target (chi-square below the 99.9% critical
+  value; tests/test_verify.py shows the same check failing for wrong
+  verifiers)."""
+  from specjax import verify
+  from specjax.eagle.drafter import Eagle3Drafter, Eagle3Params
+  from specjax.models import llama
+  from specjax.models.hf_loader import load_hf
+  from specjax.sampling import SamplingParams, warp
+  from tests.test_verify import N, _chi2_ok, _draft
+  from tests.tiny_hf import make_tiny
+  make_tiny("llama_gqa_tied", tmp_path, seed=3)
+  tcfg, tparams = load_hf(tmp_path)
+  vocab = build_draft_vocab([np.arange(29)], 37, 29)
+  hcfg = HeadConfig.for_target(tcfg, 29, taps=(0, 1, 2))
+  head = Eagle3Head(hcfg).init(
+      jax.random.key(2), jnp.zeros((1, 4, 72)), jnp.zeros((1, 4), jnp.int32),
+      tparams.embed, jnp.zeros((1, 4), jnp.int32))["params"]
+  dparams = Eagle3Params(head=head, draft_ids=jnp.asarray(vocab.ids),
+                         embed=tparams.embed)
+  k, sampling = 3, SamplingParams(1.0)
+  prompt = jnp.array([[4, 8, 15, 16, 23, 30]], jnp.int32)
+  out = llama.forward(tparams, tcfg, prompt,
+                      llama.init_cache(tcfg, 1, 16), taps=hcfg.taps)
+  drafter = Eagle3Drafter(hcfg, k)
+  state = drafter.init(dparams, prompt, jnp.array([6]), 16,
+                       jnp.concatenate(list(out.taps), -1))
+  tokens = jnp.zeros((1, 16), jnp.int32).at[0, :7].set(
+      jnp.array([4, 8, 15, 16, 23, 30, 31]))
+  prop = drafter.propose(dparams, state, tokens, jnp.array([7]),
+                         jax.random.key(5), k, sampling)
+  p_KV = np.asarray(prop.probs[0])
+  assert np.allclose(p_KV.sum(-1), 1, atol=1e-5)
+  assert (p_KV[:, 29:] == 0).all() and (p_KV[:, :29] > 0).all()
+  full = llama.forward(tparams, tcfg, tokens[:, :10],
+                       llama.init_cache(tcfg, 1, 16)).logits[0, 6:10]
+  q_K1V = np.asarray(warp(full, sampling))
+  drafts = _draft(jax.random.key(11), jnp.asarray(p_KV))
+  res = jax.jit(verify.verify_chain)(
+      drafts, jnp.broadcast_to(jnp.asarray(p_KV), (N,) + p_KV.shape),
+      jnp.broadcast_to(jnp.asarray(q_K1V), (N, k + 1, 37)),
+      jnp.full((N,), k, jnp.int32), jax.random.key(12))
+  stat, crit = _chi2_ok(res.tokens[:, 0], q_K1V[0])
+  assert stat < crit, (stat, crit)

@@ -76,6 +76,19 @@ def _drafter(smollm2, method, tmp_path_factory):
                                cache_dir=tmp_path_factory.mktemp("ds"),
                                progress=False)
     return RetrievalDrafter(), table, 4
+  if method == "eagle3_untrained":  # exactness cannot depend on training
+    import jax
+    import jax.numpy as jnp
+    from specjax.eagle import HeadConfig, build_draft_vocab
+    from specjax.eagle.drafter import Eagle3Drafter, Eagle3Params
+    from specjax.eagle.train import init_head
+    vocab = build_draft_vocab([np.arange(2048)], cfg.vocab_size, 2048,
+                              always=cfg.eos_ids)
+    hcfg = HeadConfig.for_target(cfg, vocab.size)
+    head = init_head(jax.random.key(0), hcfg, smollm2.params, vocab)
+    return (Eagle3Drafter(hcfg, 3),
+            Eagle3Params(head=head, draft_ids=jnp.asarray(vocab.ids),
+                         embed=smollm2.params.embed), 3)
   # The target as its own draft model: every draft must be accepted.
   return DraftModelDrafter(cfg), smollm2.params, 3
 
@@ -88,13 +101,14 @@ def ar_rows(smollm2):
 
 @pytest.mark.parametrize("method", ["ngram", "layerskip",
                                     "layerskip_dynamic_k", "retrieval",
-                                    "draft_self"])
+                                    "draft_self", "eagle3_untrained"])
 def test_speculative_greedy_identity(smollm2, ar_rows, method,
                                      tmp_path_factory):
   """Invariant: at T = 0, speculative decoding of a ragged batch of 4 chat
   prompts equals AR decoding token for token on SmolLM2, for every drafter,
   with drafts really accepted (fewer target forwards than tokens). With the
-  target as its own draft model every draft is accepted."""
+  target as its own draft model every draft is accepted; an untrained
+  EAGLE-3 head (random layer, warm-started LM head) must still be exact."""
   prompts, ar = ar_rows
   drafter, dparams, k = _drafter(smollm2, method, tmp_path_factory)
   spec = runner.generate_ids(smollm2, prompts, max_new_tokens=40,
@@ -103,6 +117,8 @@ def test_speculative_greedy_identity(smollm2, ar_rows, method,
   for a, s in zip(ar.rows, spec.rows):
     assert s.output_ids == a.output_ids
     assert s.stop_reason == a.stop_reason
+  if method == "eagle3_untrained":  # no acceptance expected from noise
+    return
   assert spec.num_steps < ar.num_steps
   assert sum(sum(r.accepted_at) for r in spec.rows) > 0
   if method == "draft_self":

@@ -6,7 +6,7 @@ at every step is a pure function of (seed, step) (``data.batch_indices``), so
 an interrupted run continues with the very losses an uninterrupted one has.
 Metrics go to ``workdir/metrics.jsonl`` (one line per logged step, appended,
 the file is truncated back to the restored step on resume) and the trained
-head to ``workdir/head`` (``export``).
+head to ``workdir/head.npz`` (``export.save_head``).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import numpy as np
 import optax
 
 from specjax.eagle import data as edata
+from specjax.eagle.export import save_head
 from specjax.eagle.head import Eagle3Head, HeadConfig
 from specjax.eagle.ttt import target_batch, ttt_loss
 from specjax.eagle.vocab import DraftVocab, build_draft_vocab
@@ -212,6 +213,8 @@ def train(cfg: TrainConfig, workdir: str, *, model=None,
     if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
       mngr.save(step + 1, args=ocp.args.StandardSave(state))
   mngr.wait_until_finished()
+  # The head as one portable file, usable by `--method eagle3 --head`.
+  save_head(work / "head.npz", hcfg, state["params"], vocab.ids)
   return Run(params=state["params"], losses=losses, step=end)
 
 
