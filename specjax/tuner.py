@@ -17,6 +17,8 @@ is the recommendation: speculation only pays where α survives the workload.
 from __future__ import annotations
 
 import dataclasses
+import json
+import pathlib
 from typing import TYPE_CHECKING, Optional
 
 import jax
@@ -32,11 +34,21 @@ TASKS = ("chat", "code", "summarize", "creative")
 K_MAX = 8
 MIN_GAIN = 1.05
 
-# Per-draft acceptance α (geometric fit to the measured τ at the measured K:
-# (1 - α^(K+1)) / (1 - α) = τ) by method, measured task and temperature
-# (0 and 1). Source: experiments/results/bench_*.jsonl, summarised in
-# docs/RESULTS.md. None = not measured.
-PRIORS: dict[tuple[str, str], dict[float, float]] = {}
+def _load_priors() -> dict[tuple[str, str], dict[float, float]]:
+  """Per-draft acceptance α by (method, task) and temperature: the geometric
+  fit ((1 - α^(K+1)) / (1 - α) = τ) to τ measured by ``specjax bench``,
+  written by experiments/summarize_spec_bench.py (docs/RESULTS.md)."""
+  path = pathlib.Path(__file__).with_name("tuner_priors.json")
+  if not path.is_file():
+    return {}
+  table: dict = {}
+  for p in json.loads(path.read_text())["priors"]:
+    table.setdefault((p["method"], p["task"]), {})[float(p["temperature"])] = (
+        float(p["alpha"]))
+  return table
+
+
+PRIORS = _load_priors()
 
 # Unmeasured tasks borrow a measured one; why, in words for the reasoning.
 BORROW = {

@@ -80,14 +80,16 @@ def _loop_loss(params, embed, batch, K, decay=0.8, stop_feedback=False):
   return total, jnp.stack(accs)
 
 
-@pytest.mark.parametrize("K", [1, 7])
-def test_scan_equals_explicit_loop(K):
+@pytest.mark.parametrize("K,fused", [(1, True), (7, True), (7, False)])
+def test_scan_equals_explicit_loop(K, fused):
   """Invariants: the scan-unrolled TTT loss, its per-step accuracies and its
-  gradients equal the explicit loop reference (f32, rtol 1e-5)."""
+  gradients equal the explicit loop reference (f32, rtol 1e-5), with the
+  fused LM-head + soft-CE custom VJP and with plain autodiff."""
   params, embed = _init()
   batch = _batch()
   (loss, m), g = jax.value_and_grad(
-      lambda p: ttt_loss(p, CFG, embed, batch, K), has_aux=True)(params)
+      lambda p: ttt_loss(p, CFG, embed, batch, K, fused=fused),
+      has_aux=True)(params)
   (ref, acc), g_ref = jax.value_and_grad(
       lambda p: _loop_loss(p, embed, batch, K), has_aux=True)(params)
   np.testing.assert_allclose(loss, ref, rtol=1e-5)

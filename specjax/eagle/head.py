@@ -144,7 +144,11 @@ class Eagle3Head(nn.Module):
 
   def logits(self, out_BTD):
     """``f32[B, T, Vd]`` over the draft vocabulary."""
-    return self.lm_head(self.norm(out_BTD)).astype(jnp.float32)
+    return self.lm_head(self.normed(out_BTD)).astype(jnp.float32)
+
+  def normed(self, out_BTD):
+    """The LM head's input (training fuses the head with its loss)."""
+    return self.norm(out_BTD)
 
 
 def rope_tables(positions_BT, head_dim: int, theta: float):

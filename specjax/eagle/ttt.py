@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from specjax.eagle.fused_ce import fused_soft_ce
 from specjax.eagle.head import Eagle3Head, HeadConfig, attend
 from specjax.eagle.vocab import DraftVocab
 from specjax.models import llama
@@ -82,38 +83,31 @@ def dense_mask(T: int, k: int) -> np.ndarray:
 
 
 def _shifted(batch: TTTBatch, K: int):
-  """Arrays padded at the end so step k reads ``[k + offset, k + offset + T)``."""
+  """Arrays padded at the end so step k reads ``[k + offset, k + offset + T)``;
+  the target's softmax and argmax are taken once here, not once per step."""
   pad = K + 2
   padded = lambda a, fill: jnp.concatenate(
       [a, jnp.full((a.shape[0], pad) + a.shape[2:], fill, a.dtype)], axis=1)
   return dict(tokens=padded(batch.tokens, 0),
-              logits=padded(batch.target_logits, 0.0),
+              probs=padded(jax.nn.softmax(batch.target_logits, axis=-1), 0.0),
+              argmax=padded(jnp.argmax(batch.target_logits, axis=-1), 0),
               in_vocab=padded(batch.target_in_vocab, False),
               loss_mask=padded(batch.loss_mask, False))
 
 
 def _step_inputs(p: dict, k, T: int):
   take = lambda a, off: jax.lax.dynamic_slice_in_dim(a, k + off, T, axis=1)
-  tok = take(p["tokens"], 1)
-  logits = take(p["logits"], 1)
   weight = take(p["loss_mask"], 2) & take(p["in_vocab"], 1)
-  return tok, logits, weight
-
-
-def _step_loss(draft_logits, target_logits, weight):
-  """Soft CE over Vd and argmax accuracy, averaged over counted positions."""
-  w = weight.astype(jnp.float32)
-  n = jnp.maximum(jnp.sum(w), 1.0)
-  target_p = jax.nn.softmax(target_logits, axis=-1)
-  ce = -jnp.sum(target_p * jax.nn.log_softmax(draft_logits, axis=-1), -1)
-  hit = jnp.argmax(draft_logits, -1) == jnp.argmax(target_logits, -1)
-  return jnp.sum(w * ce) / n, jnp.sum(w * hit) / n, jnp.sum(w)
+  return (take(p["tokens"], 1), take(p["probs"], 1), take(p["argmax"], 1),
+          weight)
 
 
 def ttt_loss(params, cfg: HeadConfig, embed_VD, batch: TTTBatch,
-             num_steps: int = 7, decay: float = 0.8):
+             num_steps: int = 7, decay: float = 0.8, fused: bool = True):
   """Σ_k decay^k · loss_k over ``num_steps`` unrolled steps (``lax.scan``).
 
+  ``fused`` computes LM head + soft CE in one custom-VJP op
+  (``fused_ce``); ``False`` is plain autodiff (same values, slower on CPU).
   Returns ``(loss, metrics)`` with per-step ``loss``, ``acc`` and ``count``
   arrays of length ``num_steps``.
   """
@@ -125,11 +119,26 @@ def ttt_loss(params, cfg: HeadConfig, embed_VD, batch: TTTBatch,
   pos_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
   causal = jnp.tril(jnp.ones((T, T), bool))[None]
 
-  tok, tgt, w = _step_inputs(p, 0, T)
+  def step_loss(out_BTD, probs, arg, weight):
+    """Soft CE over Vd and accuracy, averaged over counted positions."""
+    w = weight.astype(jnp.float32)
+    n = jnp.maximum(jnp.sum(w), 1.0)
+    if fused:
+      h = call(Eagle3Head.normed, out_BTD).reshape(B * T, -1)
+      ce, hits = fused_soft_ce(h, params["lm_head"]["kernel"],
+                               probs.reshape(B * T, -1), arg.reshape(-1),
+                               w.reshape(-1))
+    else:
+      logits = call(Eagle3Head.logits, out_BTD)
+      ce = jnp.sum(w * -jnp.sum(probs * jax.nn.log_softmax(logits), -1))
+      hits = jnp.sum(w * (jnp.argmax(logits, -1) == arg))
+    return ce / n, hits / n, jnp.sum(w)
+
+  tok, probs, arg, w = _step_inputs(p, 0, T)
   h = call(Eagle3Head.features, batch.taps)
   q, k0, v0 = call(Eagle3Head.project, tok, h, embed_VD, pos_BT)
   out = call(Eagle3Head.finish, h, attend(q, [(k0, v0, causal)]))
-  first = _step_loss(call(Eagle3Head.logits, out), tgt, w)
+  first = step_loss(out, probs, arg, w)
   if K == 1:
     stats = [jnp.stack([x]) for x in first]
   else:
@@ -138,13 +147,13 @@ def ttt_loss(params, cfg: HeadConfig, embed_VD, batch: TTTBatch,
 
     def body(carry, k):
       h, kd, vd = carry
-      tok, tgt, w = _step_inputs(p, k, T)
+      tok, probs, arg, w = _step_inputs(p, k, T)
       q, kk, vv = call(Eagle3Head.project, tok, h, embed_VD, pos_BT + k)
       kd, vd = kd.at[k - 1].set(kk), vd.at[k - 1].set(vv)
       blocks = [(k0, v0, causal)] + [
           (kd[j], vd[j], jnp.broadcast_to(j < k, (B, T))) for j in range(K - 1)]
       out = call(Eagle3Head.finish, h, attend(q, blocks))
-      return (out, kd, vd), _step_loss(call(Eagle3Head.logits, out), tgt, w)
+      return (out, kd, vd), step_loss(out, probs, arg, w)
 
     _, rest = jax.lax.scan(body, (out, zeros, zeros), jnp.arange(1, K))
     stats = [jnp.concatenate([jnp.stack([a]), b]) for a, b in zip(first, rest)]
