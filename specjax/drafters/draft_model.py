@@ -16,9 +16,9 @@ and the draft loop exits early once every row has stopped. The rule looks at
 the distribution, never at the token drawn from it: whether position i is
 drafted must not depend on the draft itself, or the accepted tokens would be
 biased toward confident drafts and the output would no longer follow the
-target (a stopping rule may only use what is known before drawing). The verify forward keeps
-its fixed ``[B, K + 1]`` shape; the saving is in draft forwards and in drafts
-that would most likely be rejected.
+target (a stopping rule may only use what is known before drawing). The
+verify forward keeps its fixed ``[B, K + 1]`` shape; the saving is in draft
+forwards and in drafts that would most likely be rejected.
 """
 
 from __future__ import annotations
