@@ -170,3 +170,68 @@ def test_layer_skip_and_dynamic_k_greedy_identity(tiny):
   assert (drafted_dyn <= k * np.asarray(st_dyn.num_forwards)).all()
   with pytest.raises(ValueError, match=f"layers < {cfg.num_layers}"):
     LayerSkipDrafter.from_target(cfg, cfg.num_layers)
+
+
+def _joint_first_two(params, cfg, draft, n=50_000, min_conf=0.1, seed=0):
+  """n rows of one prompt at T = 1, K = 2, dynamic-K draft model: the
+  histogram of (generated token 1, generated token 2) and the exact joint
+  q(t1) q(t2 | t1) from the target."""
+  from specjax.drafters import DraftModelDrafter
+  from specjax.models import llama
+  dcfg_, dparams = draft
+  prompt = [5, 6, 7]
+  prompt_BT = jnp.tile(jnp.array([prompt], jnp.int32), (n, 1))
+  dcfg = engine.DecodeConfig(capacity=16, sampling=SamplingParams(1.0),
+                             drafter=DraftModelDrafter(dcfg_, min_conf),
+                             num_draft=2)
+  st = engine.generate_jit(params, prompt_BT, jnp.full((n,), 3, jnp.int32),
+                           jax.random.key(seed), np.int32(2), model_cfg=cfg,
+                           dcfg=dcfg, drafter_params=dparams)
+  t1, t2 = np.asarray(st.tokens[:, 3]), np.asarray(st.tokens[:, 4])
+  V = cfg.vocab_size
+  counts = np.bincount(t1 * V + t2, minlength=V * V)
+  seqs = jnp.array([prompt + [t] for t in range(V)], jnp.int32)
+  logits = llama.forward(params, cfg, seqs,
+                         llama.init_cache(cfg, V, 8)).logits
+  q1 = jax.nn.softmax(logits[0, 2])
+  q2 = jax.nn.softmax(logits[:, 3])
+  expected = np.asarray(q1[:, None] * q2).ravel() * n
+  drafted = np.asarray(st.num_drafted)
+  return counts, expected, drafted
+
+
+def _chi2(counts, expected):
+  """Chi-square over cells expecting >= 5 draws (the rest pooled)."""
+  import scipy.stats
+  big = expected >= 5
+  obs, exp = counts[big], expected[big]
+  if (~big).any():
+    obs = np.append(obs, counts[~big].sum())
+    exp = np.append(exp, expected[~big].sum())
+  stat = ((obs - exp) ** 2 / exp).sum()
+  return stat, scipy.stats.chi2.ppf(0.999, len(obs) - 1)
+
+
+def test_dynamic_k_keeps_sampling_exact(tiny, tiny_draft, monkeypatch):
+  """Invariant (T = 1, 50,000 rows through the real engine): with dynamic K
+  the first two generated tokens follow the target's joint distribution
+  (chi-square below the 99.9% critical value), and rows really draft
+  ragged numbers of tokens. Mutation: the tempting rule "draft only
+  confident *tokens*" (the drawn token's own probability vs the threshold)
+  biases the output and the same check must fail."""
+  from specjax.drafters import draft_model
+  cfg, params = tiny
+  counts, expected, drafted = _joint_first_two(params, cfg, tiny_draft)
+  stat, crit = _chi2(counts, expected)
+  assert stat < crit, (stat, crit)
+  assert 0 < (drafted < 2).mean() < 1  # the threshold really cut some rows
+
+  def biased(logits_BV, probs_BV, tok_B, min_confidence):
+    return probs_BV[jnp.arange(tok_B.shape[0]), tok_B] >= min_confidence
+
+  monkeypatch.setattr(draft_model, "_keep_drafting", biased)
+  jax.clear_caches()
+  counts, expected, _ = _joint_first_two(params, cfg, tiny_draft)
+  stat, crit = _chi2(counts, expected)
+  jax.clear_caches()
+  assert stat > crit, (stat, crit)

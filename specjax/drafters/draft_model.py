@@ -88,8 +88,7 @@ class DraftModelDrafter:
       drafts_BK, probs_BKV, num_B, active_B = carry
       p_BV = warp(logits_BV, sampling)
       tok_B = _draw(p_BV, keys[i], sampling)
-      active_B &= (jnp.max(jax.nn.softmax(logits_BV), axis=-1)
-                   >= self.min_confidence)
+      active_B &= _keep_drafting(logits_BV, p_BV, tok_B, self.min_confidence)
       drafts_BK = drafts_BK.at[:, i].set(jnp.where(active_B, tok_B, 0))
       probs_BKV = jax.lax.dynamic_update_slice_in_dim(
           probs_BKV, p_BV[:, None], i, axis=1)
@@ -135,6 +134,14 @@ class LayerSkipDrafter(DraftModelDrafter):
 
   def draft_params(self, params):
     return params.replace(layers=params.layers[:self.config.num_layers])
+
+
+def _keep_drafting(logits_BV, probs_BV, tok_B, min_confidence):
+  """Dynamic K: may this row propose the draft at this position? Reads the
+  draft distribution only (see module doc); the drawn token is an argument
+  so the mutation test can swap in the biased rule that looks at it."""
+  del probs_BV, tok_B
+  return jnp.max(jax.nn.softmax(logits_BV), axis=-1) >= min_confidence
 
 
 def _draw(probs_BV, key, sampling):
