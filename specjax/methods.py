@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional
 if TYPE_CHECKING:
   from specjax.models.registry import Model
 
-METHODS = ("ar", "ngram", "draft", "layerskip", "retrieval", "eagle3")
+METHODS = ("ar", "ngram", "draft", "layerskip", "retrieval", "eagle", "eagle3")
 # Heads shipped inside the package, by target model name.
 SHIPPED_HEADS = {"smollm2-135m": "heads/smollm2-135m-eagle3.npz"}
 
@@ -33,7 +33,8 @@ class MethodSpec:
     min_confidence: dynamic K threshold for model drafters (0 = fixed K).
     draft_model: the "draft" method's model (a name, .gguf or HF dir).
     datastore_conversations: ShareGPT conversations behind "retrieval".
-    head: the "eagle3" head file (None = the one shipped for the model).
+    head: the "eagle" (EAGLE-1) / "eagle3" head file (None = the one
+      shipped for the model).
   """
   name: str = "ar"
   num_draft: int = 4
@@ -78,8 +79,8 @@ def build(model: Model, spec: MethodSpec) -> tuple[Any, Any]:
       raise MethodError(str(e)) from None
   if spec.name == "draft":
     return _draft_model(model, spec)
-  if spec.name == "eagle3":
-    return _eagle3(model, spec)
+  if spec.name in ("eagle", "eagle3"):
+    return _eagle(model, spec)
   import jax
   from specjax.drafters.retrieval import RetrievalDrafter, sharegpt_datastore
   kw = ({} if spec.datastore_conversations is None
@@ -117,26 +118,30 @@ def _draft_model(model: Model, spec: MethodSpec):
   return drafter, draft.params
 
 
-def _eagle3(model: "Model", spec: MethodSpec):
+def _eagle(model: "Model", spec: MethodSpec):
   import pathlib
 
   import jax.numpy as jnp
 
-  from specjax.eagle.drafter import Eagle3Drafter, Eagle3Params
+  from specjax.eagle.drafter import EagleDrafter, EagleParams
   from specjax.eagle.export import load_head
+  variant = "eagle1" if spec.name == "eagle" else "eagle3"
   path = spec.head
   if path is None:
     shipped = SHIPPED_HEADS.get(model.config.name)
     path = shipped and pathlib.Path(__file__).parent / shipped
-    if not path or not path.is_file():
+    if spec.name == "eagle" or not path or not path.is_file():
       raise MethodError(
-          f"no EAGLE-3 head ships for {model.config.name!r} yet: train one "
-          "(specjax train --config experiments/eagle3_smollm2.py --workdir "
-          "DIR) and pass --head DIR/head.npz")
+          f"no {spec.name} head ships for {model.config.name!r} yet: train "
+          f"one (specjax train --config experiments/{variant}_smollm2.py "
+          "--workdir DIR) and pass --head DIR/head.npz")
   try:
     cfg, head, draft_ids = load_head(path, model.config)
   except ValueError as e:
     raise MethodError(str(e)) from None
-  params = Eagle3Params(head=head, draft_ids=draft_ids,
+  if cfg.variant != variant:
+    raise MethodError(f"--head {str(path)!r} is an {cfg.variant} head; use "
+                      f"--method {'eagle' if cfg.variant == 'eagle1' else 'eagle3'}")
+  params = EagleParams(head=head, draft_ids=draft_ids,
                         embed=jnp.asarray(model.params.embed))
-  return Eagle3Drafter(cfg, spec.num_draft), params
+  return EagleDrafter(cfg, spec.num_draft), params

@@ -113,3 +113,24 @@ def test_conversation_mask_covers_assistant_output_only(smollm2):
   assert not cur  # the template's trailing newline is context
   assert runs == ["Hello! How can I help?<|im_end|>",
                                        "Bye.<|im_end|>"]
+
+
+def test_eagle1_keeps_target_copies_frozen(tiny_model, tmp_path):
+  """Invariant: training an EAGLE-1 head leaves its copies of the target's
+  final norm and LM head exactly as initialized, while the rest moves."""
+  import jax
+  from specjax.eagle import build_draft_vocab
+  from specjax.eagle.head import HeadConfig
+  cfg = dataclasses.replace(CFG, variant="eagle1", ttt_steps=1, steps=3,
+                            draft_vocab=37)
+  run = etrain.train(cfg, tmp_path, model=tiny_model, examples=_examples(),
+                     progress=False)
+  tcfg, tparams = tiny_model.config, tiny_model.params
+  hcfg = HeadConfig.for_target(tcfg, 37, variant="eagle1")
+  vocab = build_draft_vocab([np.arange(37)], 37, 37)
+  init = etrain.init_head(jax.random.key(cfg.seed), hcfg, tparams, vocab)
+  for name in ("lm_head", "feature_norm"):
+    for a, b in zip(jax.tree.leaves(run.params[name]),
+                    jax.tree.leaves(init[name])):
+      np.testing.assert_array_equal(a, b)
+  assert not np.allclose(run.params["fc"]["kernel"], init["fc"]["kernel"])

@@ -58,20 +58,20 @@ def _loop_loss(params, embed, batch, K, decay=0.8, stop_feedback=False):
   shift = lambda a, s: jnp.concatenate(
       [a[:, s:], jnp.zeros((B, s) + a.shape[2:], a.dtype)], axis=1)
   pos = jnp.broadcast_to(jnp.arange(T), (B, T))
-  h = call(Eagle3Head.features, batch.taps)
+  h = call("features", batch.taps)
   ks, vs, total, accs = [], [], 0.0, []
   for k in range(K):
     tok = shift(batch.tokens, 1 + k)
     tgt = shift(batch.target_logits, 1 + k)
     w = (shift(batch.loss_mask, 2 + k) & shift(batch.target_in_vocab, 1 + k)
          ).astype(jnp.float32)
-    q, kk, vv = call(Eagle3Head.project, tok, h, embed, pos + k)
+    q, kk, vv, resid = call("project", tok, h, embed, pos + k)
     ks.append(kk)
     vs.append(vv)
     attn = attend(q, [(jnp.concatenate(ks, 1), jnp.concatenate(vs, 1),
                        jnp.asarray(dense_mask(T, k))[None])])
-    out = call(Eagle3Head.finish, h, attn)
-    logits = call(Eagle3Head.logits, out)
+    out = call("finish", resid, attn)
+    logits = call("logits", out)
     ce = -jnp.sum(jax.nn.softmax(tgt) * jax.nn.log_softmax(logits), -1)
     n = jnp.maximum(w.sum(), 1.0)
     total = total + decay ** k * (w * ce).sum() / n
@@ -184,24 +184,26 @@ def test_tiny_overfit(tmp_path):
   assert float(m["acc"][1]) > float(m0["acc"][1]) + 0.2
 
 
-def test_eagle3_chain_drafting_greedy_identity(tmp_path):
-  """Invariants with an untrained (random) head on a tiny target, ragged
-  batch: (1) T = 0 EAGLE-3 speculative output equals AR token for token --
-  the head's features, pending pairs and cache rollback cannot change what
-  is emitted; (2) the drafter's stable cache length tracks the committed
-  tokens (num_tokens - 1) for every running row; (3) a head trained for a
-  moment on the target's own greedy text gets drafts accepted."""
+@pytest.mark.parametrize("variant", ["eagle3", "eagle1"])
+def test_eagle_chain_drafting_greedy_identity(tmp_path, variant):
+  """Invariants with an untrained head on a tiny target, ragged batch, for
+  EAGLE-3 and EAGLE-1 heads: (1) T = 0 speculative output equals AR token
+  for token -- the head's features, pending pairs and cache rollback cannot
+  change what is emitted; (2) the drafter's stable cache length tracks the
+  committed tokens; (3) a head over-fitted with ``ttt_loss`` on the target's
+  own greedy text gets most drafts accepted (training and drafting pair
+  features, tokens and positions the same way)."""
   from specjax import bucketing, engine
-  from specjax.eagle.drafter import Eagle3Drafter, Eagle3Params
+  from specjax.eagle.drafter import EagleDrafter, EagleParams
+  from specjax.eagle.train import init_head
   from specjax.models.hf_loader import load_hf
   from tests.tiny_hf import make_tiny
   make_tiny("llama_gqa_tied", tmp_path, seed=3)
   tcfg, tparams = load_hf(tmp_path)
-  hcfg = HeadConfig.for_target(tcfg, 37, taps=(0, 1, 2))
+  taps = (0, 1, 2) if variant == "eagle3" else (3,)
+  hcfg = HeadConfig.for_target(tcfg, 37, variant=variant, taps=taps)
   vocab = build_draft_vocab([np.arange(37)], 37, 37)
-  head = Eagle3Head(hcfg).init(
-      jax.random.key(0), jnp.zeros((1, 4, 72)), jnp.zeros((1, 4), jnp.int32),
-      tparams.embed, jnp.zeros((1, 4), jnp.int32))["params"]
+  head = init_head(jax.random.key(0), hcfg, tparams, vocab)
   prompts = [[5, 6, 7, 8, 5, 6, 7], [9, 1, 9], [3, 4, 3, 4, 3, 4, 3, 4, 3, 4],
              [20]]
   prompt_BT, lengths = bucketing.pad_prompts(prompts)
@@ -215,10 +217,10 @@ def test_eagle3_chain_drafting_greedy_identity(tmp_path):
 
   ar, _ = run(engine.DecodeConfig(capacity=64))
   k = 3
-  dparams = Eagle3Params(head=head, draft_ids=jnp.asarray(vocab.ids),
+  dparams = EagleParams(head=head, draft_ids=jnp.asarray(vocab.ids),
                          embed=tparams.embed)
   spec, st = run(engine.DecodeConfig(capacity=64,
-                                     drafter=Eagle3Drafter(hcfg, k),
+                                     drafter=EagleDrafter(hcfg, k),
                                      num_draft=k), dparams)
   assert spec == ar
   num = np.asarray(st.num_tokens)
@@ -246,7 +248,7 @@ def test_eagle3_chain_drafting_greedy_identity(tmp_path):
   for _ in range(150):
     head, opt_state = fit(head, opt_state)
   trained, st = run(engine.DecodeConfig(capacity=64,
-                                        drafter=Eagle3Drafter(hcfg, k),
+                                        drafter=EagleDrafter(hcfg, k),
                                         num_draft=k),
                     dparams.replace(head=head))
   assert trained == ar
@@ -262,7 +264,7 @@ def test_leviathan_with_real_head_draft_probabilities(tmp_path):
   value; tests/test_verify.py shows the same check failing for wrong
   verifiers)."""
   from specjax import verify
-  from specjax.eagle.drafter import Eagle3Drafter, Eagle3Params
+  from specjax.eagle.drafter import EagleDrafter, EagleParams
   from specjax.models import llama
   from specjax.models.hf_loader import load_hf
   from specjax.sampling import SamplingParams, warp
@@ -275,13 +277,13 @@ def test_leviathan_with_real_head_draft_probabilities(tmp_path):
   head = Eagle3Head(hcfg).init(
       jax.random.key(2), jnp.zeros((1, 4, 72)), jnp.zeros((1, 4), jnp.int32),
       tparams.embed, jnp.zeros((1, 4), jnp.int32))["params"]
-  dparams = Eagle3Params(head=head, draft_ids=jnp.asarray(vocab.ids),
+  dparams = EagleParams(head=head, draft_ids=jnp.asarray(vocab.ids),
                          embed=tparams.embed)
   k, sampling = 3, SamplingParams(1.0)
   prompt = jnp.array([[4, 8, 15, 16, 23, 30]], jnp.int32)
   out = llama.forward(tparams, tcfg, prompt,
                       llama.init_cache(tcfg, 1, 16), taps=hcfg.taps)
-  drafter = Eagle3Drafter(hcfg, k)
+  drafter = EagleDrafter(hcfg, k)
   state = drafter.init(dparams, prompt, jnp.array([6]), 16,
                        jnp.concatenate(list(out.taps), -1))
   tokens = jnp.zeros((1, 16), jnp.int32).at[0, :7].set(

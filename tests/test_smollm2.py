@@ -77,14 +77,14 @@ def _drafter(smollm2, method, tmp_path_factory):
     import jax
     import jax.numpy as jnp
     from specjax.eagle import HeadConfig, build_draft_vocab
-    from specjax.eagle.drafter import Eagle3Drafter, Eagle3Params
+    from specjax.eagle.drafter import EagleDrafter, EagleParams
     from specjax.eagle.train import init_head
     vocab = build_draft_vocab([np.arange(2048)], cfg.vocab_size, 2048,
                               always=cfg.eos_ids)
     hcfg = HeadConfig.for_target(cfg, vocab.size)
     head = init_head(jax.random.key(0), hcfg, smollm2.params, vocab)
-    return (Eagle3Drafter(hcfg, 3),
-            Eagle3Params(head=head, draft_ids=jnp.asarray(vocab.ids),
+    return (EagleDrafter(hcfg, 3),
+            EagleParams(head=head, draft_ids=jnp.asarray(vocab.ids),
                          embed=smollm2.params.embed), 3)
   raise ValueError(method)
 

@@ -1,4 +1,4 @@
-"""EAGLE-3 chain drafting inside the engine.
+"""EAGLE chain drafting inside the engine (EAGLE-3 heads, and EAGLE-1 ones).
 
 The head consumes pairs (target feature at position t, token t + 1). Its
 "stable" KV cache holds one entry per committed pair; it lags the target:
@@ -25,16 +25,16 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.drafters.base import Proposal
-from specjax.eagle.head import Eagle3Head, HeadConfig, attend
+from specjax.eagle.head import HeadConfig, attend, head_module
 from specjax.sampling import sample, warp
 
 
 @struct.dataclass
-class Eagle3Params:
+class EagleParams:
   """Drafter params: the head's, the draft vocabulary and the frozen embedding.
 
   Attributes:
-    head: the ``Eagle3Head`` parameter dict.
+    head: the head's parameter dict (``Eagle3Head`` or ``Eagle1Head``).
     draft_ids: ``int32[Vd]`` target id of each draft index.
     embed: ``[V, D]`` the target's token embedding (shared, not copied).
   """
@@ -44,7 +44,7 @@ class Eagle3Params:
 
 
 @struct.dataclass
-class Eagle3State:
+class EagleState:
   """Attributes:
     k, v: ``[B, S, G, H]`` the head's KV cache.
     lengths: ``int32[B]`` stable (committed-pair) entries.
@@ -57,7 +57,7 @@ class Eagle3State:
 
 
 @dataclasses.dataclass(frozen=True)
-class Eagle3Drafter:
+class EagleDrafter:
   """Chain drafting with an EAGLE-3 head (``cfg``), ``num_draft`` tokens per
   step (it must equal ``DecodeConfig.num_draft``: the pending-feature buffer
   has a fixed ``K + 1`` rows so the decode loop's state keeps its shape)."""
@@ -68,30 +68,30 @@ class Eagle3Drafter:
   def feature_taps(self) -> tuple[int, ...]:
     return self.cfg.taps
 
-  def _call(self, params: Eagle3Params, method, *args):
-    return Eagle3Head(self.cfg).apply({"params": params.head}, *args,
-                                      method=method)
+  def _call(self, params: EagleParams, method, *args):
+    return head_module(self.cfg).apply({"params": params.head}, *args,
+                                       method=method)
 
-  def _run(self, params, state: Eagle3State, tok_BT, h_BTD):
+  def _run(self, params, state: EagleState, tok_BT, h_BTD):
     """Head layer over T new pairs written at each row's cache end. Pairs
     past a row's valid count are harmless: causality hides them from the
     valid ones, and the next write starts at the row's stable length."""
     B, T = tok_BT.shape
     S = state.k.shape[1]
     pos_BT = state.lengths[:, None] + jnp.arange(T)[None, :]
-    q, k, v = self._call(params, Eagle3Head.project, tok_BT, h_BTD,
-                         params.embed, pos_BT)
+    q, k, v, resid = self._call(params, "project", tok_BT, h_BTD,
+                                params.embed, pos_BT)
     rows = jnp.arange(B)[:, None]
     slots = jnp.where(pos_BT < S, pos_BT, S)
     kc = state.k.at[rows, slots].set(k, mode="drop")
     vc = state.v.at[rows, slots].set(v, mode="drop")
     s_S = jnp.arange(S)[None, None, :]
     mask = s_S <= pos_BT[:, :, None]  # prefix + causal within the block
-    out = self._call(params, Eagle3Head.finish, h_BTD,
+    out = self._call(params, "finish", resid,
                      attend(q, [(kc, vc, mask)]))
     return out, state.replace(k=kc, v=vc)
 
-  def init(self, params: Eagle3Params, prompt_BT, prompt_lengths_B, capacity,
+  def init(self, params: EagleParams, prompt_BT, prompt_lengths_B, capacity,
            features=None):
     """Pairs (g_t, x_{t+1}) for t < len - 1 go in the cache; the last
     prompt position's feature is pending (its token is the first sample)."""
@@ -99,9 +99,9 @@ class Eagle3Drafter:
     c = self.cfg
     z = jnp.zeros((B, capacity, c.num_kv_heads, c.head_dim),
                   params.embed.dtype)
-    state = Eagle3State(k=z, v=z, lengths=jnp.zeros((B,), jnp.int32),
+    state = EagleState(k=z, v=z, lengths=jnp.zeros((B,), jnp.int32),
                         pending=None)
-    h = self._call(params, Eagle3Head.features, features)
+    h = self._call(params, "features", features)
     nxt = jnp.concatenate([prompt_BT[:, 1:], prompt_BT[:, -1:]], axis=1)
     _, state = self._run(params, state, nxt, h)
     last = jnp.take_along_axis(
@@ -111,15 +111,15 @@ class Eagle3Drafter:
         axis=1)
     return state.replace(lengths=prompt_lengths_B - 1, pending=pending)
 
-  def commit(self, params, state: Eagle3State, tokens_BS, num_tokens_B,
+  def commit(self, params, state: EagleState, tokens_BS, num_tokens_B,
              features=None):
     del params, tokens_BS, num_tokens_B
     return state.replace(pending=features.astype(state.pending.dtype))
 
-  def propose(self, params: Eagle3Params, state: Eagle3State, tokens_BS,
+  def propose(self, params: EagleParams, state: EagleState, tokens_BS,
               num_tokens_B, key, num_draft, sampling) -> Proposal:
     if num_draft != self.num_draft:
-      raise ValueError(f"Eagle3Drafter built for K={self.num_draft}, asked "
+      raise ValueError(f"EagleDrafter built for K={self.num_draft}, asked "
                        f"for {num_draft}")
     B, S = tokens_BS.shape
     K, V = num_draft, params.embed.shape[0]
@@ -130,7 +130,7 @@ class Eagle3Drafter:
     idx_BP = jnp.clip(state.lengths[:, None] + 1 + jnp.arange(P)[None, :], 0,
                       S - 1)
     tok_BP = jnp.take_along_axis(tokens_BS, idx_BP, axis=1)
-    h_BPD = self._call(params, Eagle3Head.features, pending)
+    h_BPD = self._call(params, "features", pending)
     out_BPD, state = self._run(params, state, tok_BP, h_BPD)
     stable_B = state.lengths + count_B  # == num_tokens - 1
     a_BD = jnp.take_along_axis(out_BPD, (count_B - 1)[:, None, None],
@@ -138,7 +138,7 @@ class Eagle3Drafter:
     keys = jax.random.split(key, K)
 
     def draw(a_BD, k):
-      logits_BVd = self._call(params, Eagle3Head.logits, a_BD[:, None])[:, 0]
+      logits_BVd = self._call(params, "logits", a_BD[:, None])[:, 0]
       full_BV = jnp.full((B, V), -jnp.inf, jnp.float32).at[
           :, params.draft_ids].set(logits_BVd)
       p_BV = warp(full_BV, sampling)

@@ -43,6 +43,9 @@ class HeadConfig:
     draft_vocab: Vd.
     rope_theta: the head's own RoPE base.
     norm_eps: RMSNorm epsilon.
+    variant: "eagle3" (fused low/mid/high taps, own LM head over Vd) or
+      "eagle1" (the target's last hidden state after its final norm, the
+      target's LM head over the full vocabulary, frozen).
   """
   target_dim: int
   target_vocab: int
@@ -55,18 +58,27 @@ class HeadConfig:
   draft_vocab: int
   rope_theta: float = 10000.0
   norm_eps: float = 1e-5
+  variant: str = "eagle3"
+
+  def __post_init__(self):
+    if self.variant not in ("eagle3", "eagle1"):
+      raise ValueError(f"unknown head variant {self.variant!r}")
 
   @classmethod
   def for_target(cls, target: ModelConfig, draft_vocab: int,
-                 **overrides) -> "HeadConfig":
-    """EAGLE-3 defaults for a target: taps {2, L//2, L-3}, the target's
-    attention shape and MLP width."""
+                 variant: str = "eagle3", **overrides) -> "HeadConfig":
+    """Defaults for a target: EAGLE-3 taps the inputs of layers {2, L//2,
+    L-3}; EAGLE-1 the last layer's output (tap L) over the full vocabulary;
+    both take the target's attention shape and MLP width."""
     L = target.num_layers
+    eagle1 = variant == "eagle1"
     kw = dict(target_dim=target.dim, target_vocab=target.vocab_size,
-              target_layers=L, taps=(2, L // 2, L - 3),
+              target_layers=L, taps=(L,) if eagle1 else (2, L // 2, L - 3),
+              variant=variant,
               num_heads=target.num_heads, num_kv_heads=target.num_kv_heads,
               head_dim=target.head_dim, ffn_dim=target.ffn_dim,
-              draft_vocab=draft_vocab, rope_theta=target.rope_theta,
+              draft_vocab=target.vocab_size if eagle1 else draft_vocab,
+              rope_theta=target.rope_theta,
               norm_eps=target.norm_eps)
     kw.update(overrides)
     return cls(**kw)
@@ -80,7 +92,7 @@ class HeadConfig:
       if mine != theirs:
         raise ValueError(f"EAGLE head was trained for a target with {name} "
                          f"{mine}, this target has {theirs}")
-    if max(self.taps) >= target.num_layers:
+    if max(self.taps) > target.num_layers:
       raise ValueError(f"EAGLE head taps layer {max(self.taps)}, the target "
                        f"has {target.num_layers} layers")
 
@@ -113,34 +125,26 @@ class Eagle3Head(nn.Module):
   def __call__(self, taps_BTF, tok_BT, embed_VD, positions_BT):
     """Init helper and a plain causal single step (tests, shape checks)."""
     h = self.features(taps_BTF)
-    q, k, v = self.project(tok_BT, h, embed_VD, positions_BT)
+    q, k, v, resid = self.project(tok_BT, h, embed_VD, positions_BT)
     T = tok_BT.shape[1]
     causal = jnp.tril(jnp.ones((T, T), bool))
     attn = attend(q, [(k, v, causal[None])])
-    return self.logits(self.finish(h, attn))
+    return self.logits(self.finish(resid, attn))
 
   def features(self, taps_BTF):
     """``fc``: concatenated target taps ``[B, T, len(taps) * D]`` -> ``[B, T, D]``."""
     return self.fc(taps_BTF)
 
   def project(self, tok_BT, h_BTD, embed_VD, positions_BT):
-    """RoPE'd q ``[B,T,N,H]``, k and v ``[B,T,G,H]`` from (token, feature)."""
-    c = self.cfg
-    B, T = tok_BT.shape
+    """RoPE'd q ``[B,T,N,H]``, k and v ``[B,T,G,H]`` from (token, feature),
+    and the residual stream the layer adds to (here the feature itself)."""
     e_BTD = self.in_norm(jnp.take(embed_VD, tok_BT, axis=0).astype(h_BTD.dtype))
     z_BT2D = jnp.concatenate([e_BTD, self.hidden_norm(h_BTD)], axis=-1)
-    q = self.wq(z_BT2D).reshape(B, T, c.num_heads, c.head_dim)
-    k = self.wk(z_BT2D).reshape(B, T, c.num_kv_heads, c.head_dim)
-    v = self.wv(z_BT2D).reshape(B, T, c.num_kv_heads, c.head_dim)
-    cos, sin = rope_tables(positions_BT, c.head_dim, c.rope_theta)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    return (*_qkv(self, z_BT2D, positions_BT), h_BTD)
 
-  def finish(self, h_BTD, attn_BTNH):
-    """Residual on the un-normalized feature, then the SwiGLU MLP."""
-    B, T = attn_BTNH.shape[:2]
-    r = h_BTD + self.wo(attn_BTNH.reshape(B, T, -1))
-    m = self.mlp_norm(r)
-    return r + self.w_down(jax.nn.silu(self.w_gate(m)) * self.w_up(m))
+  def finish(self, resid_BTD, attn_BTNH):
+    """Attention output onto the residual, then the SwiGLU MLP."""
+    return _finish(self, resid_BTD, attn_BTNH)
 
   def logits(self, out_BTD):
     """``f32[B, T, Vd]`` over the draft vocabulary."""
@@ -149,6 +153,77 @@ class Eagle3Head(nn.Module):
   def normed(self, out_BTD):
     """The LM head's input (training fuses the head with its loss)."""
     return self.norm(out_BTD)
+
+
+class Eagle1Head(nn.Module):
+  """EAGLE-1 (the baseline EAGLE-3 improves on), same interface: the feature
+  is the target's last hidden state after its final norm (``feature_norm``,
+  a copy of that norm), ``fc(concat(embed(token), feature))`` with a bias
+  feeds one decoder layer without an input norm, and the output is the
+  predicted next feature, read out by a copy of the target's LM head over the
+  full vocabulary. ``feature_norm`` and ``lm_head`` stay frozen in training
+  (``FROZEN``); the loss adds feature regression to the soft CE."""
+  cfg: HeadConfig
+
+  def setup(self):
+    c = self.cfg
+    D, N, G, H = c.target_dim, c.num_heads, c.num_kv_heads, c.head_dim
+    norm = lambda name: nn.RMSNorm(epsilon=c.norm_eps, name=name)
+    self.feature_norm = norm("feature_norm")
+    self.fc = nn.Dense(D, use_bias=True, name="fc",
+                       kernel_init=nn.initializers.normal(0.02))
+    self.wq, self.wk, self.wv = (_dense(N * H, "wq"), _dense(G * H, "wk"),
+                                 _dense(G * H, "wv"))
+    self.wo = _dense(D, "wo")
+    self.mlp_norm = norm("mlp_norm")
+    self.w_gate, self.w_up = _dense(c.ffn_dim, "w_gate"), _dense(c.ffn_dim,
+                                                                 "w_up")
+    self.w_down = _dense(D, "w_down")
+    self.lm_head = _dense(c.draft_vocab, "lm_head")
+
+  __call__ = Eagle3Head.__call__
+
+  def features(self, taps_BTD):
+    return self.feature_norm(taps_BTD)
+
+  def project(self, tok_BT, h_BTD, embed_VD, positions_BT):
+    e_BTD = jnp.take(embed_VD, tok_BT, axis=0).astype(h_BTD.dtype)
+    z_BTD = self.fc(jnp.concatenate([e_BTD, h_BTD], axis=-1))
+    return (*_qkv(self, z_BTD, positions_BT), z_BTD)
+
+  def finish(self, resid_BTD, attn_BTNH):
+    return _finish(self, resid_BTD, attn_BTNH)
+
+  def logits(self, out_BTD):
+    return self.lm_head(out_BTD).astype(jnp.float32)
+
+  def normed(self, out_BTD):
+    return out_BTD
+
+
+# Parameters training leaves alone, per variant (copies of target weights).
+FROZEN = {"eagle3": (), "eagle1": ("feature_norm", "lm_head")}
+
+
+def head_module(cfg: HeadConfig) -> nn.Module:
+  return (Eagle1Head if cfg.variant == "eagle1" else Eagle3Head)(cfg)
+
+
+def _qkv(m, z_BTX, positions_BT):
+  c = m.cfg
+  B, T = z_BTX.shape[:2]
+  q = m.wq(z_BTX).reshape(B, T, c.num_heads, c.head_dim)
+  k = m.wk(z_BTX).reshape(B, T, c.num_kv_heads, c.head_dim)
+  v = m.wv(z_BTX).reshape(B, T, c.num_kv_heads, c.head_dim)
+  cos, sin = rope_tables(positions_BT, c.head_dim, c.rope_theta)
+  return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def _finish(m, resid_BTD, attn_BTNH):
+  B, T = attn_BTNH.shape[:2]
+  r = resid_BTD + m.wo(attn_BTNH.reshape(B, T, -1))
+  x = m.mlp_norm(r)
+  return r + m.w_down(jax.nn.silu(m.w_gate(x)) * m.w_up(x))
 
 
 def rope_tables(positions_BT, head_dim: int, theta: float):

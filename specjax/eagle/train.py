@@ -24,7 +24,7 @@ import optax
 
 from specjax.eagle import data as edata
 from specjax.eagle.export import save_head
-from specjax.eagle.head import Eagle3Head, HeadConfig
+from specjax.eagle.head import FROZEN, HeadConfig, head_module
 from specjax.eagle.ttt import target_batch, ttt_loss
 from specjax.eagle.vocab import DraftVocab, build_draft_vocab
 
@@ -35,6 +35,7 @@ class TrainConfig:
 
   Attributes:
     model: target model (name, .gguf or HF dir).
+    variant: "eagle3" or "eagle1" (the baseline; full vocabulary).
     num_conversations: ShareGPT conversations read (before the split).
     heldout: conversations kept out for evaluation.
     max_len: tokens per example (truncated / padded).
@@ -50,6 +51,7 @@ class TrainConfig:
     log_every: metrics cadence.
   """
   model: str = "smollm2-135m"
+  variant: str = "eagle3"
   num_conversations: int = 4000
   heldout: int = 64
   max_len: int = 512
@@ -95,20 +97,26 @@ def override(cfg: TrainConfig, assignments: list[str]) -> TrainConfig:
   return dataclasses.replace(cfg, **changes)
 
 
-def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+def optimizer(cfg: TrainConfig, params) -> optax.GradientTransformation:
+  """Clip -> AdamW(warmup-cosine); copies of target weights stay frozen."""
   schedule = optax.warmup_cosine_decay_schedule(
       0.0, cfg.lr, max(cfg.warmup, 1), max(cfg.steps, cfg.warmup + 1),
       end_value=cfg.lr * cfg.final_lr_fraction)
-  return optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
-                     optax.adamw(schedule, b1=0.9, b2=cfg.b2,
-                                 weight_decay=cfg.weight_decay))
+  train = optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
+                      optax.adamw(schedule, b1=0.9, b2=cfg.b2,
+                                  weight_decay=cfg.weight_decay))
+  frozen = FROZEN[cfg.variant]
+  labels = {k: ("frozen" if k in frozen else "train") for k in params}
+  return optax.multi_transform(
+      {"train": train, "frozen": optax.set_to_zero()}, labels)
 
 
 def init_head(key, hcfg: HeadConfig, target_params, vocab: DraftVocab):
   """Random init, then warm starts from the target: the LM head from the
-  target's output rows of the draft vocabulary, the final norm from its."""
+  target's output rows of the draft vocabulary, and the target's final norm
+  (EAGLE-3: the head's output norm; EAGLE-1: its feature norm)."""
   B, T = 1, 4
-  params = Eagle3Head(hcfg).init(
+  params = head_module(hcfg).init(
       key, jnp.zeros((B, T, len(hcfg.taps) * hcfg.target_dim)),
       jnp.zeros((B, T), jnp.int32), target_params.embed,
       jnp.zeros((B, T), jnp.int32))["params"]
@@ -116,7 +124,8 @@ def init_head(key, hcfg: HeadConfig, target_params, vocab: DraftVocab):
             else target_params.lm_head)
   params = dict(params)
   params["lm_head"] = {"kernel": jnp.asarray(out_VD[vocab.ids].T)}
-  params["norm"] = {"scale": jnp.asarray(target_params.final_norm)}
+  norm = "feature_norm" if hcfg.variant == "eagle1" else "norm"
+  params[norm] = {"scale": jnp.asarray(target_params.final_norm)}
   return params
 
 
@@ -150,13 +159,14 @@ def train(cfg: TrainConfig, workdir: str, *, model=None,
     examples = edata.sharegpt_examples(model.tokenizer, cfg.num_conversations,
                                        cfg.max_len, progress=progress)
   train_ex, _ = edata.split(examples, cfg.heldout, cfg.seed)
+  vd = tcfg.vocab_size if cfg.variant == "eagle1" else cfg.draft_vocab
   vocab = build_draft_vocab(
       (r[m] for r, m in zip(train_ex.ids, train_ex.mask)), tcfg.vocab_size,
-      min(cfg.draft_vocab, tcfg.vocab_size), always=tcfg.eos_ids)
-  hcfg = HeadConfig.for_target(tcfg, vocab.size)
-  opt = optimizer(cfg)
-
+      min(vd, tcfg.vocab_size), always=tcfg.eos_ids)
+  hcfg = HeadConfig.for_target(tcfg, vocab.size, variant=cfg.variant)
   params = init_head(jax.random.key(cfg.seed), hcfg, tparams, vocab)
+  opt = optimizer(cfg, params)
+
   state = {"params": params, "opt": opt.init(params)}
   mngr = ocp.CheckpointManager(
       work / "ckpt", options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep))

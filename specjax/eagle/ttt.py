@@ -30,10 +30,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import struct
 
 from specjax.eagle.fused_ce import fused_soft_ce
-from specjax.eagle.head import Eagle3Head, HeadConfig, attend
+from specjax.eagle.head import HeadConfig, attend, head_module
 from specjax.eagle.vocab import DraftVocab
 from specjax.models import llama
 from specjax.models.config import ModelConfig
@@ -108,37 +109,50 @@ def ttt_loss(params, cfg: HeadConfig, embed_VD, batch: TTTBatch,
 
   ``fused`` computes LM head + soft CE in one custom-VJP op
   (``fused_ce``); ``False`` is plain autodiff (same values, slower on CPU).
+  For an EAGLE-1 head (``cfg.variant``) loss_k = SmoothL1(predicted feature,
+  target feature at t + 1 + k) + 0.1 · soft CE, as in EAGLE-1's training.
   Returns ``(loss, metrics)`` with per-step ``loss``, ``acc`` and ``count``
   arrays of length ``num_steps``.
   """
-  head = Eagle3Head(cfg)
+  head = head_module(cfg)
   call = lambda method, *a: head.apply({"params": params}, *a, method=method)
   B, T = batch.tokens.shape
   K = num_steps
   p = _shifted(batch, K)
   pos_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
   causal = jnp.tril(jnp.ones((T, T), bool))[None]
+  h = call("features", batch.taps)
+  eagle1 = cfg.variant == "eagle1"
+  if eagle1:  # regression targets: the (frozen) target features, shifted
+    f = jax.lax.stop_gradient(h)
+    p["features"] = jnp.concatenate(
+        [f, jnp.zeros((B, K + 2) + f.shape[2:], f.dtype)], axis=1)
 
-  def step_loss(out_BTD, probs, arg, weight):
-    """Soft CE over Vd and accuracy, averaged over counted positions."""
+  def step_loss(k, out_BTD, probs, arg, weight):
+    """Soft CE over Vd (+ feature regression for EAGLE-1) and accuracy,
+    averaged over counted positions."""
     w = weight.astype(jnp.float32)
     n = jnp.maximum(jnp.sum(w), 1.0)
     if fused:
-      h = call(Eagle3Head.normed, out_BTD).reshape(B * T, -1)
-      ce, hits = fused_soft_ce(h, params["lm_head"]["kernel"],
+      x = call("normed", out_BTD).reshape(B * T, -1)
+      ce, hits = fused_soft_ce(x, params["lm_head"]["kernel"],
                                probs.reshape(B * T, -1), arg.reshape(-1),
                                w.reshape(-1))
     else:
-      logits = call(Eagle3Head.logits, out_BTD)
+      logits = call("logits", out_BTD)
       ce = jnp.sum(w * -jnp.sum(probs * jax.nn.log_softmax(logits), -1))
       hits = jnp.sum(w * (jnp.argmax(logits, -1) == arg))
-    return ce / n, hits / n, jnp.sum(w)
+    loss = ce / n
+    if eagle1:
+      f_next = jax.lax.dynamic_slice_in_dim(p["features"], k + 1, T, axis=1)
+      reg = jnp.mean(optax.huber_loss(out_BTD, f_next, delta=1.0), -1)
+      loss = jnp.sum(w * reg) / n + 0.1 * loss
+    return loss, hits / n, jnp.sum(w)
 
   tok, probs, arg, w = _step_inputs(p, 0, T)
-  h = call(Eagle3Head.features, batch.taps)
-  q, k0, v0 = call(Eagle3Head.project, tok, h, embed_VD, pos_BT)
-  out = call(Eagle3Head.finish, h, attend(q, [(k0, v0, causal)]))
-  first = step_loss(out, probs, arg, w)
+  q, k0, v0, resid = call("project", tok, h, embed_VD, pos_BT)
+  out = call("finish", resid, attend(q, [(k0, v0, causal)]))
+  first = step_loss(0, out, probs, arg, w)
   if K == 1:
     stats = [jnp.stack([x]) for x in first]
   else:
@@ -148,12 +162,12 @@ def ttt_loss(params, cfg: HeadConfig, embed_VD, batch: TTTBatch,
     def body(carry, k):
       h, kd, vd = carry
       tok, probs, arg, w = _step_inputs(p, k, T)
-      q, kk, vv = call(Eagle3Head.project, tok, h, embed_VD, pos_BT + k)
+      q, kk, vv, resid = call("project", tok, h, embed_VD, pos_BT + k)
       kd, vd = kd.at[k - 1].set(kk), vd.at[k - 1].set(vv)
       blocks = [(k0, v0, causal)] + [
           (kd[j], vd[j], jnp.broadcast_to(j < k, (B, T))) for j in range(K - 1)]
-      out = call(Eagle3Head.finish, h, attend(q, blocks))
-      return (out, kd, vd), step_loss(out, probs, arg, w)
+      out = call("finish", resid, attend(q, blocks))
+      return (out, kd, vd), step_loss(k, out, probs, arg, w)
 
     _, rest = jax.lax.scan(body, (out, zeros, zeros), jnp.arange(1, K))
     stats = [jnp.concatenate([jnp.stack([a]), b]) for a, b in zip(first, rest)]
