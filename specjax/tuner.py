@@ -25,7 +25,6 @@ import jax
 import numpy as np
 
 from specjax import theory
-from specjax.bench import median_time
 
 if TYPE_CHECKING:
   from specjax.models.registry import Model
@@ -136,8 +135,15 @@ class Recommendation:
 
 
 def measure_costs(model: "Model", batch_size: int, progress: bool = True,
-                  context: int = 256) -> CostCurve:
-  """Times target forwards over 1..K_MAX + 1 tokens and a full AR step."""
+                  context: int = 256, rounds: int = 9) -> CostCurve:
+  """Times target forwards over 1..K_MAX + 1 tokens and a full AR step.
+
+  The shapes are timed round-robin (one call each per round, median over
+  rounds), so machine-speed drift hits every point of the curve alike; timed
+  one after the other, v(K) moved by ±30% between runs on this VM.
+  """
+  import time
+
   from tqdm import tqdm
 
   from specjax import engine
@@ -146,19 +152,26 @@ def measure_costs(model: "Model", batch_size: int, progress: bool = True,
   cache = llama.init_cache(cfg, B, 2 * context, model.params.embed.dtype
                            ).with_lengths(np.full((B,), context, np.int32))
   fwd = jax.jit(lambda p, t, c: llama.forward(p, cfg, t, c).logits)
-  forward = [0.0]
-  for t in tqdm(range(1, K_MAX + 2), desc="timing verify forwards",
-                disable=not progress):
-    tokens = np.ones((B, t), np.int32)
-    forward.append(median_time(lambda: fwd(model.params, tokens, cache)))
   dcfg = engine.DecodeConfig(capacity=2 * context, eos_ids=())
-  prompt = np.ones((B, context), np.int32)
-  state = engine.prefill_jit(model.params, prompt, np.full((B,), context - 1,
-                                                           np.int32),
-                             jax.random.key(0), np.int32(1 << 20),
-                             model_cfg=cfg, dcfg=dcfg)
+  state = engine.prefill_jit(
+      model.params, np.ones((B, context), np.int32),
+      np.full((B,), context - 1, np.int32), jax.random.key(0),
+      np.int32(1 << 20), model_cfg=cfg, dcfg=dcfg)
   step = jax.jit(lambda p, s: engine.step(p, s, model_cfg=cfg, dcfg=dcfg))
-  ar_step = median_time(lambda: step(model.params, state))
+  calls = [lambda t=t: fwd(model.params, np.ones((B, t), np.int32), cache)
+           for t in range(1, K_MAX + 2)]
+  calls.append(lambda: step(model.params, state))
+  times = [[] for _ in calls]
+  for call in tqdm(calls, desc="compiling", disable=not progress):
+    jax.block_until_ready(call())
+  for _ in tqdm(range(rounds), desc="timing verify curve",
+                disable=not progress):
+    for i, call in enumerate(calls):
+      start = time.perf_counter()
+      jax.block_until_ready(call())
+      times[i].append(time.perf_counter() - start)
+  med = [float(np.median(t)) for t in times]
+  forward, ar_step = [0.0] + med[:-1], med[-1]
   return CostCurve(forward=tuple(forward), rest=max(ar_step - forward[1], 0.0),
                    num_layers=cfg.num_layers)
 
