@@ -80,7 +80,7 @@ def _loop_loss(params, embed, batch, K, decay=0.8, stop_feedback=False):
   return total, jnp.stack(accs)
 
 
-@pytest.mark.parametrize("K,fused", [(1, True), (7, True), (7, False)])
+@pytest.mark.parametrize("K,fused", [(1, True), (7, True), (3, False)])
 def test_scan_equals_explicit_loop(K, fused):
   """Invariants: the scan-unrolled TTT loss, its per-step accuracies and its
   gradients equal the explicit loop reference (f32, rtol 1e-5), with the
@@ -137,62 +137,17 @@ def test_head_config_must_fit_the_target():
       CFG.check_fits(bad)
 
 
-def test_tiny_overfit(tmp_path):
-  """Invariant: on a tiny real target (random HF Llama, its own features and
-  logits), 80 AdamW steps on one fixed batch halve the TTT loss's gap above
-  its floor (the target's entropy) and
-  raise the step-0 and step-1 accuracy."""
-  from specjax.models.hf_loader import load_hf
-  from tests.tiny_hf import make_tiny
-  make_tiny("llama_gqa_tied", tmp_path, seed=3)
-  tcfg, tparams = load_hf(tmp_path)
-  hcfg = HeadConfig.for_target(tcfg, 37, taps=(0, 1, 2))
-  tokens = jax.random.randint(jax.random.key(7), (4, 16), 0, 37)
-  mask = jnp.ones((4, 16), bool)
-  vocab = build_draft_vocab([np.arange(37)], 37, 37)
-  batch = target_batch(tparams, tcfg, hcfg, vocab, tokens, mask)
-  params = Eagle3Head(hcfg).init(jax.random.key(0), batch.taps, tokens,
-                                 tparams.embed,
-                                 jnp.broadcast_to(jnp.arange(16), (4, 16)))
-  params = params["params"]
-  opt = optax.adamw(3e-3)
-  state = opt.init(params)
-
-  @jax.jit
-  def step(params, state):
-    (loss, m), g = jax.value_and_grad(
-        lambda p: ttt_loss(p, hcfg, tparams.embed, batch, 3),
-        has_aux=True)(params)
-    upd, state = opt.update(g, state, params)
-    return optax.apply_updates(params, upd), state, loss, m
-
-  params, state, loss0, m0 = step(params, state)
-  for _ in range(80):
-    params, state, loss, m = step(params, state)
-  # Soft CE cannot go below the target's own entropy: measure progress as
-  # the gap above that floor (the KL), which must halve.
-  shift = lambda a, n: jnp.concatenate(
-      [a[:, n:], jnp.zeros((a.shape[0], n) + a.shape[2:], a.dtype)], axis=1)
-  floor = 0.0
-  for k in range(3):
-    p = jax.nn.softmax(shift(batch.target_logits, 1 + k))
-    w = (shift(batch.loss_mask, 2 + k) & shift(batch.target_in_vocab, 1 + k))
-    ent = -jnp.sum(p * jnp.log(p + 1e-30), -1)
-    floor += 0.8 ** k * float(jnp.sum(w * ent) / jnp.maximum(w.sum(), 1))
-  assert float(loss) - floor < 0.5 * (float(loss0) - floor)
-  assert float(m["acc"][0]) > float(m0["acc"][0]) + 0.2
-  assert float(m["acc"][1]) > float(m0["acc"][1]) + 0.2
-
-
 @pytest.mark.parametrize("variant", ["eagle3", "eagle1"])
 def test_eagle_chain_drafting_greedy_identity(tmp_path, variant):
   """Invariants with an untrained head on a tiny target, ragged batch, for
   EAGLE-3 and EAGLE-1 heads: (1) T = 0 speculative output equals AR token
   for token -- the head's features, pending pairs and cache rollback cannot
   change what is emitted; (2) the drafter's stable cache length tracks the
-  committed tokens; (3) a head over-fitted with ``ttt_loss`` on the target's
-  own greedy text gets most drafts accepted (training and drafting pair
-  features, tokens and positions the same way)."""
+  committed tokens; (3) a tiny-budget overfit with ``ttt_loss`` on the
+  target's own greedy text halves the loss's gap above its floor (the target
+  entropy) and raises the step-0 and step-1 accuracy by > 0.2; (4) the
+  over-fitted head then gets most drafts accepted (training and drafting
+  pair features, tokens and positions the same way)."""
   from specjax import bucketing, engine
   from specjax.eagle.drafter import EagleDrafter, EagleParams
   from specjax.eagle.train import init_head
@@ -241,12 +196,31 @@ def test_eagle_chain_drafting_greedy_identity(tmp_path, variant):
 
   @jax.jit
   def fit(head, opt_state):
-    g = jax.grad(lambda p: ttt_loss(p, hcfg, tparams.embed, batch, k)[0])(head)
+    (loss, m), g = jax.value_and_grad(
+        lambda p: ttt_loss(p, hcfg, tparams.embed, batch, k),
+        has_aux=True)(head)
     upd, opt_state = opt.update(g, opt_state, head)
-    return optax.apply_updates(head, upd), opt_state
+    return optax.apply_updates(head, upd), opt_state, loss, m
 
+  head, opt_state, loss0, m0 = fit(head, opt_state)
   for _ in range(150):
-    head, opt_state = fit(head, opt_state)
+    head, opt_state, loss, m = fit(head, opt_state)
+  if variant == "eagle3":  # soft CE cannot go below the target's entropy
+    floor = 0.0
+    for j in range(k):
+      p = jax.nn.softmax(jnp.concatenate(
+          [batch.target_logits[:, 1 + j:],
+           jnp.zeros((4, 1 + j, 37), jnp.float32)], 1))
+      w = jnp.concatenate([mask[:, 2 + j:] & batch.target_in_vocab[:, 1 + j:
+                                                                    T - 1],
+                           jnp.zeros((4, 2 + j), bool)], 1)
+      ent = -jnp.sum(p * jnp.log(p + 1e-30), -1)
+      floor += 0.8 ** j * float(jnp.sum(w * ent) / jnp.maximum(w.sum(), 1))
+    assert float(loss) - floor < 0.5 * (float(loss0) - floor)
+  else:
+    assert float(loss) < 0.5 * float(loss0)
+  assert float(m["acc"][0]) > float(m0["acc"][0]) + 0.2
+  assert float(m["acc"][1]) > float(m0["acc"][1]) + 0.2
   trained, st = run(engine.DecodeConfig(capacity=64,
                                         drafter=EagleDrafter(hcfg, k),
                                         num_draft=k),

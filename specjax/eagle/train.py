@@ -191,7 +191,7 @@ def train(cfg: TrainConfig, workdir: str, *, model=None,
           has_aux=True)(state["params"])
       upd, opt_state = opt.update(g, state["opt"], state["params"])
       return ({"params": optax.apply_updates(state["params"], upd),
-               "opt": opt_state}, loss, m, optax.global_norm(g))
+               "opt": opt_state}, loss, m, optax.tree.norm(g))
     return step_fn
 
   steps = {}
