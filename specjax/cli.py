@@ -170,28 +170,11 @@ def _read_prompts(args) -> list[str]:
     if not args.prompt.strip():
       raise UsageError("empty prompt")
     return [args.prompt]
+  from specjax import data
   try:
-    with open(args.prompt_file, encoding="utf-8-sig") as f:
-      lines = [(i, l) for i, l in enumerate(f, 1) if l.strip()]
-  except (OSError, UnicodeDecodeError) as e:
-    raise UsageError(f"cannot read prompt file {args.prompt_file!r}: "
-                     f"{getattr(e, 'strerror', None) or e}") from None
-  prompts = []
-  for i, line in lines:
-    where = f"{args.prompt_file}:{i}"
-    try:
-      prompt = json.loads(line)["prompt"]
-    except (json.JSONDecodeError, KeyError, TypeError, RecursionError):
-      raise UsageError(f'{where}: expected a JSON object with a "prompt" '
-                       "string") from None
-    if not isinstance(prompt, str):
-      raise UsageError(f'{where}: "prompt" must be a string')
-    if not prompt.strip():
-      raise UsageError(f"{where}: empty prompt")
-    prompts.append(prompt)
-  if not prompts:
-    raise UsageError(f"prompt file {args.prompt_file!r} has no prompts")
-  return prompts
+    return data.prompts_from_jsonl(args.prompt_file)
+  except data.DataError as e:
+    raise UsageError(str(e)) from None
 
 
 def _sampling(args):

@@ -79,7 +79,7 @@ def prompts_from_jsonl(path: str) -> list[str]:
   try:
     text = pathlib.Path(path).read_text("utf-8-sig")
   except (OSError, UnicodeDecodeError) as e:
-    raise DataError(f"cannot read {path!r}: "
+    raise DataError(f"cannot read prompt file {path!r}: "
                     f"{getattr(e, 'strerror', None) or e}") from None
   prompts = []
   for i, line in enumerate(text.splitlines(), 1):
@@ -96,7 +96,7 @@ def prompts_from_jsonl(path: str) -> list[str]:
       raise DataError(f"{path}:{i}: empty prompt")
     prompts.append(prompt)
   if not prompts:
-    raise DataError(f"{path!r} has no prompts")
+    raise DataError(f"prompt file {path!r} has no prompts")
   return prompts
 
 

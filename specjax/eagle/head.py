@@ -108,17 +108,10 @@ class Eagle3Head(nn.Module):
 
   def setup(self):
     c = self.cfg
-    D, N, G, H = c.target_dim, c.num_heads, c.num_kv_heads, c.head_dim
     norm = lambda name: nn.RMSNorm(epsilon=c.norm_eps, name=name)
-    self.fc = _dense(D, "fc")
+    self.fc = _dense(c.target_dim, "fc")
     self.in_norm, self.hidden_norm = norm("in_norm"), norm("hidden_norm")
-    self.wq, self.wk, self.wv = (_dense(N * H, "wq"), _dense(G * H, "wk"),
-                                 _dense(G * H, "wv"))
-    self.wo = _dense(D, "wo")
-    self.mlp_norm = norm("mlp_norm")
-    self.w_gate, self.w_up = _dense(c.ffn_dim, "w_gate"), _dense(c.ffn_dim,
-                                                                 "w_up")
-    self.w_down = _dense(D, "w_down")
+    _layer(self)
     self.norm = norm("norm")
     self.lm_head = _dense(c.draft_vocab, "lm_head")
 
@@ -167,18 +160,10 @@ class Eagle1Head(nn.Module):
 
   def setup(self):
     c = self.cfg
-    D, N, G, H = c.target_dim, c.num_heads, c.num_kv_heads, c.head_dim
-    norm = lambda name: nn.RMSNorm(epsilon=c.norm_eps, name=name)
-    self.feature_norm = norm("feature_norm")
-    self.fc = nn.Dense(D, use_bias=True, name="fc",
+    self.feature_norm = nn.RMSNorm(epsilon=c.norm_eps, name="feature_norm")
+    self.fc = nn.Dense(c.target_dim, use_bias=True, name="fc",
                        kernel_init=nn.initializers.normal(0.02))
-    self.wq, self.wk, self.wv = (_dense(N * H, "wq"), _dense(G * H, "wk"),
-                                 _dense(G * H, "wv"))
-    self.wo = _dense(D, "wo")
-    self.mlp_norm = norm("mlp_norm")
-    self.w_gate, self.w_up = _dense(c.ffn_dim, "w_gate"), _dense(c.ffn_dim,
-                                                                 "w_up")
-    self.w_down = _dense(D, "w_down")
+    _layer(self)
     self.lm_head = _dense(c.draft_vocab, "lm_head")
 
   __call__ = Eagle3Head.__call__
@@ -207,6 +192,18 @@ FROZEN = {"eagle3": (), "eagle1": ("feature_norm", "lm_head")}
 
 def head_module(cfg: HeadConfig) -> nn.Module:
   return (Eagle1Head if cfg.variant == "eagle1" else Eagle3Head)(cfg)
+
+
+def _layer(m):
+  """The decoder layer's attention and SwiGLU weights (both variants)."""
+  c = m.cfg
+  D, N, G, H = c.target_dim, c.num_heads, c.num_kv_heads, c.head_dim
+  m.wq, m.wk, m.wv = (_dense(N * H, "wq"), _dense(G * H, "wk"),
+                      _dense(G * H, "wv"))
+  m.wo = _dense(D, "wo")
+  m.mlp_norm = nn.RMSNorm(epsilon=c.norm_eps, name="mlp_norm")
+  m.w_gate, m.w_up = _dense(c.ffn_dim, "w_gate"), _dense(c.ffn_dim, "w_up")
+  m.w_down = _dense(D, "w_down")
 
 
 def _qkv(m, z_BTX, positions_BT):
