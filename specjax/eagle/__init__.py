@@ -1,8 +1,13 @@
-"""EAGLE-3: a draft head over the target's fused features, trained with TTT."""
+"""EAGLE-3 (and the EAGLE-1 baseline): draft heads over the target's hidden
+states, trained with the training-time test, drafting inside the engine."""
 
-from specjax.eagle.head import Eagle3Head, HeadConfig
+from specjax.eagle.drafter import EagleDrafter, EagleParams
+from specjax.eagle.export import load_head, save_head
+from specjax.eagle.head import Eagle1Head, Eagle3Head, HeadConfig, head_module
 from specjax.eagle.ttt import TTTBatch, dense_mask, target_batch, ttt_loss
 from specjax.eagle.vocab import DraftVocab, build_draft_vocab
 
-__all__ = ["DraftVocab", "Eagle3Head", "HeadConfig", "TTTBatch",
-           "build_draft_vocab", "dense_mask", "target_batch", "ttt_loss"]
+__all__ = ["DraftVocab", "Eagle1Head", "Eagle3Head", "EagleDrafter",
+           "EagleParams", "HeadConfig", "TTTBatch", "build_draft_vocab",
+           "dense_mask", "head_module", "load_head", "save_head",
+           "target_batch", "ttt_loss"]
