@@ -23,3 +23,17 @@ class Proposal:
   probs: Optional[jax.Array]
   num_draft: jax.Array
   state: Any = None
+
+
+class Stateless:
+  """Protocol methods for drafters that keep no state between steps (table
+  lookups): nothing to set up after the prefill, nothing to roll back."""
+
+  def init(self, params, prompt_BT, prompt_lengths_B, capacity,
+           features=None):
+    del params, prompt_BT, prompt_lengths_B, capacity, features
+    return None
+
+  def commit(self, params, state, tokens_BS, num_tokens_B, features=None):
+    del params, tokens_BS, num_tokens_B, features
+    return state

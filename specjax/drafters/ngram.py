@@ -15,11 +15,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax.drafters.base import Proposal
+from specjax.drafters.base import Proposal, Stateless
 
 
 @dataclasses.dataclass(frozen=True)
-class NGramDrafter:
+class NGramDrafter(Stateless):
   n_max: int = 3
   n_min: int = 1
 
@@ -27,15 +27,6 @@ class NGramDrafter:
     if not 1 <= self.n_min <= self.n_max:
       raise ValueError(f"need 1 <= n_min <= n_max, got {self.n_min}, "
                        f"{self.n_max}")
-
-  def init(self, params, prompt_BT, prompt_lengths_B, capacity,
-           features=None):
-    del params, prompt_BT, prompt_lengths_B, capacity, features
-    return None
-
-  def commit(self, params, state, tokens_BS, num_tokens_B, features=None):
-    del params, tokens_BS, num_tokens_B, features
-    return state
 
   def propose(self, params, state, tokens_BS, num_tokens_B, key, num_draft,
               sampling) -> Proposal:

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax.drafters.base import Proposal
+from specjax.drafters.base import Proposal, Stateless
 
 # Bump when the hash or the table layout changes: old caches become misses.
 _FORMAT_VERSION = 1
@@ -303,7 +303,7 @@ def sharegpt_datastore(tokenizer, *,
 
 
 @dataclasses.dataclass(frozen=True)
-class RetrievalDrafter:
+class RetrievalDrafter(Stateless):
   """Drafts by chained longest-suffix lookups in a ``Datastore``.
 
   Attributes:
@@ -320,15 +320,6 @@ class RetrievalDrafter:
     if not 1 <= self.n_min <= self.n_max:
       raise ValueError(f"need 1 <= n_min <= n_max, got {self.n_min}, "
                        f"{self.n_max}")
-
-  def init(self, params, prompt_BT, prompt_lengths_B, capacity,
-           features=None):
-    del params, prompt_BT, prompt_lengths_B, capacity, features
-    return None
-
-  def commit(self, params, state, tokens_BS, num_tokens_B, features=None):
-    del params, tokens_BS, num_tokens_B, features
-    return state
 
   def propose(self, params: Datastore, state, tokens_BS, num_tokens_B, key,
               num_draft, sampling) -> Proposal:
