@@ -31,28 +31,42 @@ def alpha_from_tau(tau: float, k: int) -> float:
   return round((lo + hi) / 2, 4)
 
 
+def label(r: dict) -> str:
+  """Method plus the knobs that tell two runs of it apart."""
+  cfg = r.get("config") or {}
+  parts = [r["method"]]
+  if cfg.get("min_confidence"):
+    parts.append(f"conf {cfg['min_confidence']:g}")
+  if cfg.get("head"):
+    parts.append(cfg["head"].rsplit("/", 1)[-1])
+  return ", ".join(parts)
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser()
   ap.add_argument("jsonl")
   ap.add_argument("--priors", help="write tuner priors JSON here")
   args = ap.parse_args(argv)
   rows = [json.loads(l) for l in open(args.jsonl) if l.strip()]
-  print("| method | T | prompts | K | τ | acceptance per position | tok/s (AR) "
-        "| speedup | predicted | measured/predicted | greedy = AR | time split "
-        "draft/verify/rest |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+  print("| method | data | T | prompts | K | τ | acceptance per position | "
+        "tok/s (AR) | speedup | predicted | measured/predicted | greedy = AR | "
+        "wide verifies | time split draft/verify/rest |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   for r in rows:
     ts = r["time_split"]
     same = ("—" if r["greedy_identical"] is None else
             "yes" if r["greedy_identical"] else
             f"{r['num_prompts'] - r['rows_differing_from_ar']}/"
             f"{r['num_prompts']}")
-    print(f"| {r['method']} | {r['temperature']:g} | {r['num_prompts']} | "
+    wide = r.get("wide_verify_fraction")
+    print(f"| {label(r)} | {r['dataset']} | {r['temperature']:g} | "
+          f"{r['num_prompts']} | "
           f"{r['num_draft']} | {r['tau']:.2f} | "
           f"{' '.join(f'{a:.2f}' for a in r['acceptance_per_position'])} | "
           f"{r['tokens_per_s']:.1f} ({r['ar_tokens_per_s']:.1f}) | "
           f"**{r['speedup']:.2f}×** | {r['predicted_speedup']:.2f}× | "
           f"{r['speedup_vs_predicted']:.2f} | {same} | "
+          f"{'—' if wide is None else f'{wide:.2f}'} | "
           f"{ts['draft_s']:.2f}/{ts['verify_s']:.2f}/{ts['rest_s']:.2f} |")
   if args.priors:
     priors = [dict(method=r["method"], task=TASK_OF.get(r["dataset"], "chat"),

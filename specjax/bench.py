@@ -13,6 +13,8 @@ Definitions (aggregated over all rows):
   acceptance_per_position[i]: fraction of verify steps whose draft i was
     accepted (acceptance is prefix-closed, so this is P(accepted > i)).
   accepted_length_histogram[j]: verify steps that accepted exactly j drafts.
+  wide_verify_fraction: steps whose target forward covered all K + 1 tokens;
+    in the others no row had drafted and the newest token was scored alone.
   time_split: the method's wall time attributed to drafting, verifying and
     the rest (sampling, bookkeeping, loop), from per-component timings of
     the jitted propose and verify forward at the run's own shapes.
@@ -42,11 +44,18 @@ class Costs:
   verify: float     # target forward over [B, K + 1]
   draft: float      # one drafter.propose of K drafts
 
-  def predicted_speedup(self, tau: float, ar_step_s: float) -> float:
+  def step_s(self, wide_fraction: float = 1.0) -> float:
+    """Forward + draft seconds of a speculative step when ``wide_fraction``
+    of the steps verify K + 1 tokens and the rest score one (nothing drafted)."""
+    return self.draft + (wide_fraction * self.verify
+                         + (1 - wide_fraction) * self.target_1)
+
+  def predicted_speedup(self, tau: float, ar_step_s: float,
+                        wide_fraction: float = 1.0) -> float:
     """Theory: AR time per token / speculative time per token, where a
-    speculative step costs draft + verify + the AR step's non-forward rest."""
+    speculative step costs ``step_s`` + the AR step's non-forward rest."""
     rest = max(ar_step_s - self.target_1, 0.0)
-    return tau * ar_step_s / (self.draft + self.verify + rest)
+    return tau * ar_step_s / (self.step_s(wide_fraction) + rest)
 
 
 def median_time(fn: Callable[[], object], repeats: int = 5) -> float:
@@ -91,6 +100,7 @@ class _Tally:
   """Sums over batches for one method in one repeat."""
   wall_s: float = 0.0
   steps: int = 0
+  wide_steps: int = 0
   new_tokens: int = 0
   outputs: list = dataclasses.field(default_factory=list)
   rows: list = dataclasses.field(default_factory=list)
@@ -98,6 +108,7 @@ class _Tally:
   def add(self, res: runner.BatchResult):
     self.wall_s += res.wall_s
     self.steps += res.num_steps + 1  # + the prefill step
+    self.wide_steps += res.num_wide_steps
     self.new_tokens += res.new_tokens
     self.outputs += [r.output_ids for r in res.rows]
     self.rows += res.rows
@@ -180,13 +191,15 @@ def run(model: Model, methods_: Sequence[methods.MethodSpec | tuple],
     costs = measure_costs(model, batches[0], dcfg, dparams)
     acc = acceptance_stats(runs[0].rows, spec.k)
     wall = statistics.median(t.wall_s for t in runs)
-    steps = runs[0].steps
-    split = dict(draft_s=costs.draft * steps, verify_s=costs.verify * steps)
+    steps, wide = runs[0].steps, runs[0].wide_steps
+    wide_fraction = wide / max(steps, 1)
+    split = dict(draft_s=costs.draft * steps,
+                 verify_s=costs.verify * wide + costs.target_1 * (steps - wide))
     split["rest_s"] = max(wall - split["draft_s"] - split["verify_s"], 0.0)
     speedup = statistics.median(a.wall_s / t.wall_s * t.new_tokens /
                                 a.new_tokens
                                 for a, t in zip(ar_tallies, runs))
-    predicted = costs.predicted_speedup(acc["tau"], ar_step_s)
+    predicted = costs.predicted_speedup(acc["tau"], ar_step_s, wide_fraction)
     identical = [a == b for a, b in zip(ar_tallies[0].outputs, runs[0].outputs)]
     result = dict(
         method=spec.name, dataset=dataset, model=model.config.name,
@@ -194,6 +207,7 @@ def run(model: Model, methods_: Sequence[methods.MethodSpec | tuple],
         top_p=sampling.top_p, num_prompts=len(prompts),
         new_tokens=runs[0].new_tokens, max_new_tokens=max_new_tokens,
         batch_size=batch_size, repeats=repeats, num_draft=spec.k,
+        wide_verify_fraction=round(wide_fraction, 4),
         **{k: (round(v, 4) if isinstance(v, float) else v)
            for k, v in acc.items()},
         tokens_per_s=round(statistics.median(t.new_tokens / t.wall_s

@@ -77,6 +77,9 @@ def _build_parser() -> argparse.ArgumentParser:
                   help="override a config field (repeatable)")
   tr.add_argument("--workdir", required=True,
                   help="checkpoints, metrics.jsonl; rerun to resume")
+  tr.add_argument("--stop-after", type=int, default=None, metavar="STEP",
+                  help="stop at this step (the schedule still spans all "
+                  "steps); rerun without it to go on")
 
   d = sub.add_parser("demo", help="SmolLM2 decoding demo (the README's main job)")
   d.add_argument("--max-new-tokens", type=int, default=96)
@@ -95,8 +98,9 @@ def _add_model_args(p, several: bool = False):
                  help="layer-skip: target layers the drafter runs "
                  "(default 80%% of them)")
   p.add_argument("--min-confidence", type=float, default=0.0,
-                 help="dynamic K for model drafters: stop drafting a row "
-                 "when the draft's top probability falls below this")
+                 help="dynamic K (draft, layerskip, eagle, eagle3): stop "
+                 "drafting a row when the draft's top probability falls "
+                 "below this")
   p.add_argument("--draft-model", default=None,
                  help="--method draft: the draft model (.gguf or HF dir)")
   p.add_argument("--head", default=None,
@@ -352,8 +356,10 @@ def cmd_train(args) -> int:
     cfg = train.override(cfg, args.set)
   except ValueError as e:
     raise UsageError(str(e)) from None
+  if args.stop_after is not None and args.stop_after < 1:
+    raise UsageError(f"--stop-after must be >= 1, got {args.stop_after}")
   model = _load(cfg.model)  # a bad model fails here, before any data work
-  run = train.train(cfg, args.workdir, model=model)
+  run = train.train(cfg, args.workdir, model=model, stop_after=args.stop_after)
   print(json.dumps(dict(step=run.step, workdir=args.workdir,
                         last_loss=run.losses.get(run.step - 1))))
   return 0

@@ -23,6 +23,7 @@ accepted ones stay below the new length, the rest are masked and overwritten.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Iterator
 
 import jax
@@ -80,6 +81,8 @@ class DecodeState:
     drafter_state: the drafter's own state (e.g. its cache), or None.
     key: PRNG key for the next step.
     num_steps: ``int32[]`` target forwards after the prefill (batch-wide).
+    num_wide: ``int32[]`` of those, the ones over all K + 1 tokens (the rest
+      scored the newest token alone: no live row had drafted).
     num_forwards: ``int32[B]`` target forwards each row took part in while
       running (after the prefill).
     num_drafted: ``int32[B]`` drafts proposed to the row.
@@ -94,6 +97,7 @@ class DecodeState:
   drafter_state: Any
   key: jax.Array
   num_steps: jax.Array
+  num_wide: jax.Array
   num_forwards: jax.Array
   num_drafted: jax.Array
   accepted_at: jax.Array
@@ -133,6 +137,21 @@ def _features(out: llama.ForwardOutput):
   if out.taps is None:
     return None
   return jnp.concatenate(list(out.taps), axis=-1)
+
+
+def _verify_forward(params, model_cfg, block_BT, cache, taps, width: int
+                    ) -> llama.ForwardOutput:
+  """The target forward over the first ``width`` tokens of the block, its
+  logits and taps zero-padded back to the block's width (fixed shapes for
+  ``lax.cond``; verification never reads past a row's drafts)."""
+  out = llama.forward(params, model_cfg, block_BT[:, :width], cache, taps=taps)
+  extra = block_BT.shape[1] - width
+  if not extra:
+    return out
+  pad = lambda a, axis: jnp.pad(a, [(0, extra if i == axis else 0)
+                                    for i in range(a.ndim)])
+  return out.replace(logits=pad(out.logits, 1),
+                     taps=None if out.taps is None else pad(out.taps, 2))
 
 
 def _is_eos(tokens, dcfg: DecodeConfig):
@@ -175,7 +194,8 @@ def prefill(params: llama.LlamaParams, prompt_BT: jax.Array,
       max_new_tokens=jnp.asarray(max_new_tokens, jnp.int32),
       stop_reason=zeros_B, cache=out.cache.with_lengths(lengths),
       drafter_state=drafter_state, key=key,
-      num_steps=jnp.zeros((), jnp.int32), num_forwards=zeros_B,
+      num_steps=jnp.zeros((), jnp.int32), num_wide=jnp.zeros((), jnp.int32),
+      num_forwards=zeros_B,
       num_drafted=zeros_B, accepted_at=jnp.zeros((B, dcfg.k), jnp.int32))
   return _update_stops(state, _is_eos(first_B, dcfg), dcfg)
 
@@ -204,8 +224,13 @@ def step(params: llama.LlamaParams, state: DecodeState, *,
 
   last_B = state.tokens[rows, state.num_tokens - 1]
   block_BT = jnp.concatenate([last_B[:, None], draft_BK], axis=1)
-  out = llama.forward(params, model_cfg, block_BT, state.cache,
-                      taps=_feature_taps(dcfg))
+  verify = functools.partial(_verify_forward, params, model_cfg, block_BT,
+                             state.cache, _feature_taps(dcfg))
+  # No live row drafted (no n-gram match, an unconfident head): score the
+  # newest token alone. On CPU a K+1-token forward costs ~2 one-token ones.
+  wide = jnp.any((num_draft_B > 0) & live_B)
+  out = (jax.lax.cond(wide, lambda: verify(K + 1), lambda: verify(1)) if K
+         else verify(1))
   res = verify_chain(draft_BK, draft_probs, warp(out.logits, dcfg.sampling),
                      num_draft_B, k_verify, greedy=dcfg.sampling.greedy)
 
@@ -231,6 +256,7 @@ def step(params: llama.LlamaParams, state: DecodeState, *,
       cache=out.cache.with_lengths(jnp.where(live_B, num_tokens - 1,
                                              state.cache.lengths)),
       drafter_state=drafter_state, key=key, num_steps=state.num_steps + 1,
+      num_wide=state.num_wide + wide,
       num_forwards=state.num_forwards + live_B,
       num_drafted=state.num_drafted + jnp.where(live_B, num_draft_B, 0),
       accepted_at=state.accepted_at + acc_BK)

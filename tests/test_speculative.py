@@ -49,7 +49,9 @@ def test_greedy_ngram_equals_ar_and_cache_rolls_back(tiny):
   equals AR output token for token; (2) drafts were really accepted and
   rejected along the way (the test is not vacuous); (3) after the run, each
   row's cache below its length equals that of the AR run that never drafted
-  (rejected entries were rolled back and overwritten)."""
+  (rejected entries were rolled back and overwritten); (4) both verify
+  widths ran: K + 1 tokens, and the newest token alone on steps where no row
+  had an n-gram match."""
   cfg, params = tiny
   capacity = 64
   ar, ar_state = _run(params, cfg, engine.DecodeConfig(capacity=capacity))
@@ -67,6 +69,23 @@ def test_greedy_ngram_equals_ar_and_cache_rolls_back(tiny):
                                  ar_state.cache.v[layer][b, :, :n], atol=1e-5)
       np.testing.assert_allclose(st.cache.k[layer][b, :, :, :n],
                                  ar_state.cache.k[layer][b, :, :, :n], atol=1e-5)
+
+
+def test_steps_without_drafts_verify_one_token(tiny):
+  """Invariant: a single row verifies K + 1 tokens on steps where it drafted
+  and the newest token alone where the n-gram lookup found nothing, and the
+  output still equals AR's (both branches of the verify ``lax.cond`` ran)."""
+  cfg, params = tiny
+  prompt_BT, lengths = bucketing.pad_prompts([PROMPTS[0]])
+  outs = []
+  for dcfg in (engine.DecodeConfig(capacity=64),
+               engine.DecodeConfig(capacity=64, drafter=NGramDrafter(),
+                                   num_draft=4)):
+    st = engine.generate_jit(params, prompt_BT, lengths, jax.random.key(0),
+                             np.int32(32), model_cfg=cfg, dcfg=dcfg)
+    outs.append(st.tokens[0, lengths[0]:st.num_tokens[0]].tolist())
+  assert outs[0] == outs[1]
+  assert 0 < int(st.num_wide) < int(st.num_steps), (st.num_wide, st.num_steps)
 
 
 def test_eos_and_budget_inside_an_emitted_block(tiny):

@@ -60,9 +60,17 @@ class EagleState:
 class EagleDrafter:
   """Chain drafting with an EAGLE-3 head (``cfg``), ``num_draft`` tokens per
   step (it must equal ``DecodeConfig.num_draft``: the pending-feature buffer
-  has a fixed ``K + 1`` rows so the decode loop's state keeps its shape)."""
+  has a fixed ``K + 1`` rows so the decode loop's state keeps its shape).
+
+  ``min_confidence`` > 0 gives dynamic K: a row's chain ends before the first
+  draft whose head distribution (over Vd, before temperature) has its top
+  probability below the threshold. The rule reads distributions, never the
+  drawn token, so verification stays exact; a step where no row drafts costs
+  one single-token target forward (``engine.step``).
+  """
   cfg: HeadConfig
   num_draft: int
+  min_confidence: float = 0.0
 
   @property
   def feature_taps(self) -> tuple[int, ...]:
@@ -144,22 +152,34 @@ class EagleDrafter:
       p_BV = warp(full_BV, sampling)
       tok_B = (jnp.argmax(p_BV, -1).astype(jnp.int32) if sampling.greedy
                else sample(p_BV, k))
-      return tok_B, p_BV
+      conf_B = jnp.max(jax.nn.softmax(logits_BVd, axis=-1), axis=-1)
+      return tok_B, p_BV, conf_B
 
-    tok_B, p_BV = draw(a_BD, keys[0])
+    tok_B, p_BV, conf_B = draw(a_BD, keys[0])
+    active_B = conf_B >= self.min_confidence
+    record = (jnp.zeros((B, K), jnp.int32).at[:, 0].set(tok_B),
+              jnp.zeros((B, K, V), jnp.float32).at[:, 0].set(p_BV),
+              active_B.astype(jnp.int32), active_B)
 
-    def body(carry, k):
-      st, a_BD, tok_B = carry
+    def more(carry):
+      i, *_, (_, _, _, active_B) = carry
+      return (i < K) & jnp.any(active_B)
+
+    def body(carry):
+      # A while_loop, not a scan: with dynamic K most steps end here after
+      # one head step, so the remaining K - 1 are not paid for.
+      i, st, a_BD, tok_B, (drafts_BK, probs_BKV, num_B, active_B) = carry
       out, st = self._run(params, st, tok_B[:, None], a_BD[:, None])
-      nxt, p = draw(out[:, 0], k)
-      return (st.replace(lengths=st.lengths + 1), out[:, 0], nxt), (nxt, p)
+      nxt_B, p_BV, conf_B = draw(out[:, 0], keys[i])
+      active_B &= conf_B >= self.min_confidence
+      record = (drafts_BK.at[:, i].set(nxt_B),
+                jax.lax.dynamic_update_slice_in_dim(probs_BKV, p_BV[:, None],
+                                                    i, axis=1),
+                num_B + active_B, active_B)
+      return i + 1, st.replace(lengths=st.lengths + 1), out[:, 0], nxt_B, record
 
     scratch = state.replace(lengths=stable_B)
-    _, (rest_KB, rest_KBV) = jax.lax.scan(body, (scratch, a_BD, tok_B),
-                                          keys[1:])
-    drafts_BK = jnp.concatenate([tok_B[:, None], rest_KB.T], axis=1)
-    probs_BKV = jnp.concatenate([p_BV[:, None],
-                                 jnp.swapaxes(rest_KBV, 0, 1)], axis=1)
-    return Proposal(tokens=drafts_BK, probs=probs_BKV,
-                    num_draft=jnp.full((B,), K, jnp.int32),
+    *_, (drafts_BK, probs_BKV, num_B, _) = jax.lax.while_loop(
+        more, body, (jnp.int32(1), scratch, a_BD, tok_B, record))
+    return Proposal(tokens=drafts_BK, probs=probs_BKV, num_draft=num_B,
                     state=state.replace(lengths=stable_B))

@@ -6,7 +6,9 @@ at every step is a pure function of (seed, step) (``data.batch_indices``), so
 an interrupted run continues with the very losses an uninterrupted one has.
 Metrics go to ``workdir/metrics.jsonl`` (one line per logged step, appended,
 the file is truncated back to the restored step on resume) and the trained
-head to ``workdir/head.npz`` (``export.save_head``).
+head to ``workdir/head.npz`` (``export.save_head``; rewritten at every
+checkpoint, so an interrupted run leaves its newest head). ``setup`` and
+``restore_params`` rebuild a run's pieces for evaluation (``evaluate``).
 """
 
 from __future__ import annotations
@@ -137,6 +139,65 @@ class Run:
   step: int
 
 
+@dataclasses.dataclass
+class Setup:
+  """What a run (or an evaluation of one) is built from: the frozen target,
+  the train/held-out split, the draft vocabulary and the initial head."""
+  model: Any
+  train_ex: edata.Examples
+  heldout_ex: edata.Examples
+  vocab: DraftVocab
+  hcfg: HeadConfig
+  params: Any
+
+  def features(self):
+    """Jitted ``(target params, vocab, ids, mask) -> TTTBatch``. Target
+    params and the vocabulary are arguments, not closed-over constants: XLA
+    would otherwise fold 0.5 GB of weights into the program."""
+    tcfg, hcfg = self.model.config, self.hcfg
+    return jax.jit(lambda tp, voc, tok, mask: target_batch(
+        tp, tcfg, hcfg, voc, tok, mask))
+
+
+def setup(cfg: TrainConfig, *, model=None,
+          examples: Optional[edata.Examples] = None,
+          progress: bool = True) -> Setup:
+  """Loads the target and data, builds Vd and the warm-started head."""
+  from specjax.models.registry import load_model
+  model = model or load_model(cfg.model)
+  tcfg = model.config
+  if examples is None:
+    examples = edata.sharegpt_examples(model.tokenizer, cfg.num_conversations,
+                                       cfg.max_len, progress=progress)
+  train_ex, heldout_ex = edata.split(examples, cfg.heldout, cfg.seed)
+  vd = tcfg.vocab_size if cfg.variant == "eagle1" else cfg.draft_vocab
+  vocab = build_draft_vocab(
+      (r[m] for r, m in zip(train_ex.ids, train_ex.mask)), tcfg.vocab_size,
+      min(vd, tcfg.vocab_size), always=tcfg.eos_ids)
+  hcfg = HeadConfig.for_target(tcfg, vocab.size, variant=cfg.variant)
+  params = init_head(jax.random.key(cfg.seed), hcfg, model.params, vocab)
+  return Setup(model, train_ex, heldout_ex, vocab, hcfg, params)
+
+
+def checkpoints(workdir) -> "ocp.CheckpointManager":
+  """The run's orbax manager (``workdir/ckpt``), for reading saved steps."""
+  import orbax.checkpoint as ocp
+  return ocp.CheckpointManager(pathlib.Path(workdir).absolute() / "ckpt")
+
+
+def _restore(mngr, step: int, like):
+  """The state saved at ``step``, shaped like ``like``."""
+  import orbax.checkpoint as ocp
+  return mngr.restore(step, args=ocp.args.StandardRestore(
+      jax.tree.map(ocp.utils.to_shape_dtype_struct, like)))
+
+
+def restore_params(workdir, step: int, s: Setup, cfg: TrainConfig):
+  """The head params saved at ``step`` in ``workdir``."""
+  like = {"params": s.params, "opt": optimizer(cfg, s.params).init(s.params)}
+  return _restore(checkpoints(workdir), step, like)["params"]
+
+
 def train(cfg: TrainConfig, workdir: str, *, model=None,
           examples: Optional[edata.Examples] = None, stop_after: Optional[int]
           = None, progress: bool = True) -> Run:
@@ -148,40 +209,25 @@ def train(cfg: TrainConfig, workdir: str, *, model=None,
   import orbax.checkpoint as ocp
   from tqdm.auto import tqdm
 
-  from specjax.models.registry import load_model
   work = pathlib.Path(workdir).absolute()
   work.mkdir(parents=True, exist_ok=True)
   (work / "config.json").write_text(json.dumps(dataclasses.asdict(cfg),
                                                indent=1))
-  model = model or load_model(cfg.model)
-  tcfg, tparams = model.config, model.params
-  if examples is None:
-    examples = edata.sharegpt_examples(model.tokenizer, cfg.num_conversations,
-                                       cfg.max_len, progress=progress)
-  train_ex, _ = edata.split(examples, cfg.heldout, cfg.seed)
-  vd = tcfg.vocab_size if cfg.variant == "eagle1" else cfg.draft_vocab
-  vocab = build_draft_vocab(
-      (r[m] for r, m in zip(train_ex.ids, train_ex.mask)), tcfg.vocab_size,
-      min(vd, tcfg.vocab_size), always=tcfg.eos_ids)
-  hcfg = HeadConfig.for_target(tcfg, vocab.size, variant=cfg.variant)
-  params = init_head(jax.random.key(cfg.seed), hcfg, tparams, vocab)
-  opt = optimizer(cfg, params)
+  s = setup(cfg, model=model, examples=examples, progress=progress)
+  tparams, train_ex, vocab, hcfg = (s.model.params, s.train_ex, s.vocab,
+                                    s.hcfg)
+  opt = optimizer(cfg, s.params)
 
-  state = {"params": params, "opt": opt.init(params)}
+  state = {"params": s.params, "opt": opt.init(s.params)}
   mngr = ocp.CheckpointManager(
       work / "ckpt", options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep))
   start = 0
   if mngr.latest_step() is not None:
     start = mngr.latest_step()
-    state = mngr.restore(start, args=ocp.args.StandardRestore(
-        jax.tree.map(ocp.utils.to_shape_dtype_struct, state)))
+    state = _restore(mngr, start, state)
   metrics_path = work / "metrics.jsonl"
   _truncate_metrics(metrics_path, start)
-
-  # Target params and the vocabulary are arguments, not closed-over
-  # constants: XLA would otherwise fold 0.5 GB of weights into the program.
-  features = jax.jit(lambda tp, voc, tok, mask: target_batch(
-      tp, tcfg, hcfg, voc, tok, mask))
+  features = s.features()
 
   def make_step(K):
     @jax.jit
@@ -222,6 +268,8 @@ def train(cfg: TrainConfig, workdir: str, *, model=None,
                       acc="/".join(f"{a:.2f}" for a in acc[:3]))
     if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
       mngr.save(step + 1, args=ocp.args.StandardSave(state))
+      if step + 1 < end:  # so that an interrupted run still leaves a head
+        save_head(work / "head.npz", hcfg, state["params"], vocab.ids)
   mngr.wait_until_finished()
   # The head as one portable file, usable by `--method eagle3 --head`.
   save_head(work / "head.npz", hcfg, state["params"], vocab.ids)

@@ -1,0 +1,75 @@
+"""Several configurations of one or more methods against one AR run.
+
+  .venv/bin/python experiments/bench_methods.py --dataset mtbench \
+      --temperature 0 eagle3:k=7 eagle3:k=7:conf=0.4 ngram:k=5 \
+      --json experiments/results/bench_eagle.jsonl
+
+`specjax bench` gives every method of one invocation the same knobs; here each
+positional spec is NAME[:k=K][:conf=C][:layers=L][:head=PATH] (conf is
+min_confidence), so e.g. fixed and dynamic K, or two heads, share the AR
+baseline of one run. Prints and appends one JSON line per spec (the
+`specjax.bench` contract; `config` records the knobs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+_KEYS = {"k": ("num_draft", int), "conf": ("min_confidence", float),
+         "layers": ("layers", int), "head": ("head", str)}
+
+
+def parse_spec(text: str):
+  from specjax.methods import MethodSpec
+  name, *knobs = text.split(":")
+  kw = {}
+  for knob in knobs:
+    key, _, value = knob.partition("=")
+    if key not in _KEYS:
+      raise SystemExit(f"bench_methods: unknown knob {key!r} in {text!r} "
+                       f"(one of {', '.join(_KEYS)})")
+    field, kind = _KEYS[key]
+    kw[field] = kind(value)
+  return MethodSpec(name=name, **kw)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("specs", nargs="+")
+  ap.add_argument("--dataset", default="mtbench")
+  ap.add_argument("--num-prompts", type=int, default=None)
+  ap.add_argument("--max-new-tokens", type=int, default=128)
+  ap.add_argument("--temperature", type=float, default=0.0)
+  ap.add_argument("--json", default=None)
+  args = ap.parse_args(argv)
+
+  from specjax import bench, data, methods
+  from specjax.models.registry import load_model
+  from specjax.sampling import SamplingParams
+  specs = [parse_spec(s) for s in args.specs]
+  model = load_model("smollm2-135m")
+  prompts = data.load_prompts(args.dataset, args.num_prompts)
+  chat = args.dataset != "humaneval"
+  ids = [model.tokenizer.encode_chat(p) if chat else model.tokenizer.encode(p)
+         for p in prompts]
+  built = [(s, *methods.build(model, s)) for s in specs]
+
+  def emit(result):
+    line = json.dumps(result)
+    print(line, flush=True)
+    if args.json:
+      with open(args.json, "a", encoding="utf-8") as f:
+        f.write(line + "\n")
+
+  bench.run(model, built, ids, max_new_tokens=args.max_new_tokens,
+            sampling=SamplingParams(temperature=args.temperature),
+            dataset=args.dataset, on_result=emit)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,114 @@
+"""Held-out acceptance per TTT step of every checkpoint of one or more runs.
+
+  .venv/bin/python experiments/eagle3_curve.py RUN_DIR [RUN_DIR ...] \
+      --json experiments/results/eagle3_curve.jsonl --plot docs/eagle3_curve.png
+
+Each RUN_DIR is a `specjax train` workdir (its config.json says how it was
+trained; its ckpt/ holds the steps). Every checkpoint is evaluated at K = 7
+on the run's held-out conversations (specjax.eagle.evaluate) and printed as
+one JSON line: run, step, training tokens, acc per step, coverage of Vd,
+expected τ of a 7-chain. Lines already in --json are skipped, so the script
+resumes; --plot draws τ against training tokens and acceptance per step;
+--export writes checkpoints as head files for `--method eagle3 --head`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+
+def evaluate_runs(run_dirs, out: pathlib.Path, num_steps: int, label=None,
+                  only=None, export=None):
+  from specjax.eagle import evaluate, export as eexport, train
+  from specjax.models.registry import load_model
+  done = set()
+  if out.is_file():
+    done = {(r["run"], r["step"]) for r in map(json.loads,
+                                               out.read_text().splitlines())}
+  model = None
+  for run in run_dirs:
+    run = pathlib.Path(run)
+    cfg = train.TrainConfig(**json.loads((run / "config.json").read_text()))
+    model = model or load_model(cfg.model)
+    s = train.setup(cfg, model=model, progress=False)
+    for step in sorted(train.checkpoints(run).all_steps()):
+      name = label or run.name
+      if only and step not in only:
+        continue
+      if export:
+        params = train.restore_params(run, step, s, cfg)
+        eexport.save_head(pathlib.Path(export) / f"{name}-{step}.npz", s.hcfg,
+                          params, s.vocab.ids)
+      if (name, step) in done:
+        continue
+      params = train.restore_params(run, step, s, cfg)
+      rec = dict(run=name, variant=cfg.variant, ttt=cfg.ttt_steps, step=step,
+                 tokens=evaluate.tokens_seen(cfg, s.train_ex, step),
+                 **evaluate.heldout_accuracy(s, params, num_steps))
+      print(json.dumps(rec), flush=True)
+      with open(out, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def plot(rows, path: pathlib.Path):
+  """Left: expected τ against training tokens, one line per run. Right:
+  acceptance per depth of each run's last checkpoint, plus (dashed) longer
+  runs at the budget all runs share, so same-budget rows compare directly."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+  runs = {}
+  for r in sorted(rows, key=lambda r: r["step"]):
+    runs.setdefault(r["run"], []).append(r)
+  common = min(rs[-1]["step"] for rs in runs.values())
+  for i, (run, rs) in enumerate(sorted(runs.items())):
+    color = f"C{i}"
+    ax1.plot([r["tokens"] / 1e6 for r in rs], [r["expected_tau"] for r in rs],
+             "o-", color=color, label=run)
+    shown = [rs[-1]] + [r for r in rs if r["step"] == common and r is not rs[-1]]
+    for r in shown:
+      ax2.plot(range(len(r["acc"])), r["acc"], "o-" if r is rs[-1] else "o--",
+               color=color, label=f"{run} @ {r['tokens'] / 1e6:.2f}M tok")
+  ax1.set_xlabel("training tokens (M)")
+  ax1.set_ylabel("expected τ, 7-chain, T=0 (held-out)")
+  ax1.set_xscale("log")
+  ax1.legend(fontsize=8)
+  ax2.set_xlabel("draft depth k (TTT step)")
+  ax2.set_ylabel("held-out acceptance α_k")
+  ax2.legend(fontsize=8)
+  fig.tight_layout()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("runs", nargs="*", help="specjax train workdirs")
+  ap.add_argument("--json", default="experiments/results/eagle3_curve.jsonl")
+  ap.add_argument("--label", default=None,
+                  help="name for a single run (default: its directory)")
+  ap.add_argument("--num-steps", type=int, default=7)
+  ap.add_argument("--steps", type=int, nargs="*", default=None,
+                  help="evaluate only these checkpoint steps")
+  ap.add_argument("--plot", default=None, help="write a PNG of all rows")
+  ap.add_argument("--export", default=None, metavar="DIR",
+                  help="also write each selected checkpoint's head to "
+                  "DIR/RUN-STEP.npz")
+  args = ap.parse_args(argv)
+  out = pathlib.Path(args.json)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  evaluate_runs(args.runs, out, args.num_steps, args.label, args.steps,
+                args.export)
+  if args.plot:
+    plot([json.loads(l) for l in out.read_text().splitlines() if l.strip()],
+         pathlib.Path(args.plot))
+
+
+if __name__ == "__main__":
+  main()
