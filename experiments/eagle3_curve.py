@@ -38,15 +38,14 @@ def evaluate_runs(run_dirs, out: pathlib.Path, num_steps: int, label=None,
     s = train.setup(cfg, model=model, progress=False)
     for step in sorted(train.checkpoints(run).all_steps()):
       name = label or run.name
-      if only and step not in only:
+      if (only and step not in only) or ((name, step) in done and not export):
         continue
+      params = train.restore_params(run, step, s, cfg)
       if export:
-        params = train.restore_params(run, step, s, cfg)
         eexport.save_head(pathlib.Path(export) / f"{name}-{step}.npz", s.hcfg,
                           params, s.vocab.ids)
       if (name, step) in done:
         continue
-      params = train.restore_params(run, step, s, cfg)
       rec = dict(run=name, variant=cfg.variant, ttt=cfg.ttt_steps, step=step,
                  tokens=evaluate.tokens_seen(cfg, s.train_ex, step),
                  **evaluate.heldout_accuracy(s, params, num_steps))
