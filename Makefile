@@ -1,5 +1,7 @@
 # The README's two commands: `make demo` (main job) and `make test` (test suite).
 # Both create .venv on first use and reinstall when the package metadata changes.
+# Tests run on up to 4 xdist workers (one per core) sharing a compilation cache
+# (tests/conftest.py): the suite is mostly XLA compile time.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -25,4 +27,4 @@ demo: $(STAMP)
 	$(BIN)/specjax demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 tests

@@ -1,9 +1,24 @@
 """Shared fixtures: strict JAX numerics, tiny reference models, the real model."""
 
+import os
+import pathlib
+
 import jax
 import pytest
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+# Most of the suite's time is XLA compilation, and many tests compile the same
+# programs (the same model forward under a new closure, a CLI subprocess, the
+# other xdist worker). A compilation cache shared by all of them, through the
+# environment for subprocesses, compiles each program once per machine.
+_CACHE = pathlib.Path(__file__).parents[1] / ".pytest_cache" / "jax-compilation"
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+jax.config.update("jax_compilation_cache_dir",
+                  os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                  float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
 
 
 @pytest.fixture(scope="session")
