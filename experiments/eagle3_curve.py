@@ -7,14 +7,17 @@ Each RUN_DIR is a `specjax train` workdir (its config.json says how it was
 trained; its ckpt/ holds the steps). Every checkpoint is evaluated at K = 7
 on the run's held-out conversations (specjax.eagle.evaluate) and printed as
 one JSON line: run, step, training tokens, acc per step, coverage of Vd,
-expected τ of a 7-chain. Lines already in --json are skipped, so the script
-resumes; --plot draws τ against training tokens and acceptance per step;
+expected τ of a 7-chain. --heldout-of RUN scores every run on RUN's held-out
+conversations instead (e.g. replies the target regenerated; rows then carry
+"heldout": RUN and stay out of the plot). Lines already in --json are
+skipped, so the script resumes; --plot draws τ against training tokens and acceptance per step;
 --export writes checkpoints as head files for `--method eagle3 --head`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import sys
@@ -23,30 +26,42 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 
 def evaluate_runs(run_dirs, out: pathlib.Path, num_steps: int, label=None,
-                  only=None, export=None):
+                  only=None, export=None, heldout_of=None):
   from specjax.eagle import evaluate, export as eexport, train
   from specjax.models.registry import load_model
   done = set()
   if out.is_file():
-    done = {(r["run"], r["step"]) for r in map(json.loads,
-                                               out.read_text().splitlines())}
-  model = None
+    done = {(r["run"], r["step"], r.get("heldout"))
+            for r in map(json.loads, out.read_text().splitlines())}
+  model, other = None, None
+  config = lambda run: train.TrainConfig(
+      **json.loads((pathlib.Path(run) / "config.json").read_text()))
+  if heldout_of:
+    cfg = config(heldout_of)
+    model = load_model(cfg.model)
+    other = train.setup(cfg, model=model).heldout_ex
   for run in run_dirs:
     run = pathlib.Path(run)
-    cfg = train.TrainConfig(**json.loads((run / "config.json").read_text()))
+    cfg = config(run)
     model = model or load_model(cfg.model)
     s = train.setup(cfg, model=model, progress=False)
+    where = {}
+    if other is not None:
+      s = dataclasses.replace(s, heldout_ex=other)
+      where = dict(heldout=pathlib.Path(heldout_of).name)
     for step in sorted(train.checkpoints(run).all_steps()):
       name = label or run.name
-      if (only and step not in only) or ((name, step) in done and not export):
+      key = (name, step, where.get("heldout"))
+      if (only and step not in only) or (key in done and not export):
         continue
       params = train.restore_params(run, step, s, cfg)
       if export:
         eexport.save_head(pathlib.Path(export) / f"{name}-{step}.npz", s.hcfg,
                           params, s.vocab.ids)
-      if (name, step) in done:
+      if key in done:
         continue
-      rec = dict(run=name, variant=cfg.variant, ttt=cfg.ttt_steps, step=step,
+      rec = dict(run=name, **where, variant=cfg.variant, ttt=cfg.ttt_steps,
+                 step=step,
                  tokens=evaluate.tokens_seen(cfg, s.train_ex, step),
                  **evaluate.heldout_accuracy(s, params, num_steps))
       print(json.dumps(rec), flush=True)
@@ -63,6 +78,7 @@ def plot(rows, path: pathlib.Path):
   import matplotlib.pyplot as plt
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
   runs = {}
+  rows = [r for r in rows if "heldout" not in r]  # own held-out sets only
   for r in sorted(rows, key=lambda r: r["step"]):
     runs.setdefault(r["run"], []).append(r)
   common = min(rs[-1]["step"] for rs in runs.values())
@@ -99,11 +115,13 @@ def main(argv=None):
   ap.add_argument("--export", default=None, metavar="DIR",
                   help="also write each selected checkpoint's head to "
                   "DIR/RUN-STEP.npz")
+  ap.add_argument("--heldout-of", default=None, metavar="RUN_DIR",
+                  help="score on this run's held-out conversations")
   args = ap.parse_args(argv)
   out = pathlib.Path(args.json)
   out.parent.mkdir(parents=True, exist_ok=True)
   evaluate_runs(args.runs, out, args.num_steps, args.label, args.steps,
-                args.export)
+                args.export, args.heldout_of)
   if args.plot:
     plot([json.loads(l) for l in out.read_text().splitlines() if l.strip()],
          pathlib.Path(args.plot))

@@ -1,17 +1,22 @@
 """Markdown tables from `specjax bench` JSON lines, and the tuner's priors.
 
   python experiments/summarize_spec_bench.py experiments/results/bench_spec.jsonl \
-      [--priors specjax/tuner_priors.json]
+      [more.jsonl ...] [--priors specjax/tuner_priors.json]
 
-Prints one table row per (method, temperature) and, with --priors, writes the
-per-draft acceptance α the tuner uses: the α whose geometric model
-(1 - α^(K+1)) / (1 - α) reproduces the measured τ at the measured K.
+Prints one table row per (method, temperature) and, with --priors, writes what
+the tuner uses: the per-draft acceptance α whose geometric model
+(1 - α^(K+1)) / (1 - α) reproduces the measured τ at the measured K (fixed-K
+rows only: a dynamic-K row's τ is not that of its K; later files win on the
+same method, task and temperature), and for each drafter with a per-token
+cost (a trained head), a drafted token's cost in one-token target forwards
+(median over its rows).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 
 TASK_OF = {"mtbench": "chat", "humaneval": "code", "sharegpt": "chat"}
@@ -44,10 +49,11 @@ def label(r: dict) -> str:
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser()
-  ap.add_argument("jsonl")
+  ap.add_argument("jsonl", nargs="+")
   ap.add_argument("--priors", help="write tuner priors JSON here")
   args = ap.parse_args(argv)
-  rows = [json.loads(l) for l in open(args.jsonl) if l.strip()]
+  rows = [json.loads(l) for path in args.jsonl for l in open(path)
+          if l.strip()]
   print("| method | data | T | prompts | K | τ | acceptance per position | "
         "tok/s (AR) | speedup | predicted | measured/predicted | greedy = AR | "
         "wide verifies | time split draft/verify/rest |")
@@ -69,12 +75,24 @@ def main(argv=None) -> int:
           f"{'—' if wide is None else f'{wide:.2f}'} | "
           f"{ts['draft_s']:.2f}/{ts['verify_s']:.2f}/{ts['rest_s']:.2f} |")
   if args.priors:
-    priors = [dict(method=r["method"], task=TASK_OF.get(r["dataset"], "chat"),
-                   temperature=r["temperature"], k=r["num_draft"],
-                   tau=r["tau"], alpha=alpha_from_tau(r["tau"], r["num_draft"]),
-                   git_sha=r["git_sha"]) for r in rows]
+    fixed = [r for r in rows if not (r.get("config") or {}).get("min_confidence")]
+    priors = {}
+    for r in fixed:
+      task = TASK_OF.get(r["dataset"], "chat")
+      priors[r["method"], task, r["temperature"]] = dict(
+          method=r["method"], task=task, temperature=r["temperature"],
+          k=r["num_draft"], tau=r["tau"],
+          alpha=alpha_from_tau(r["tau"], r["num_draft"]), git_sha=r["git_sha"])
+    per_token = {}
+    for r in fixed:
+      if r["method"] != "layerskip":  # the tuner models it from its layers
+        c = r["costs_ms"]
+        per_token.setdefault(r["method"], []).append(
+            c["draft"] / (r["num_draft"] * c["target_forward_1"]))
+    costs = {m: round(statistics.median(v), 4) for m, v in per_token.items()}
     with open(args.priors, "w") as f:
-      json.dump(dict(source=f"specjax bench ({args.jsonl})", priors=priors),
+      json.dump(dict(source=f"specjax bench ({', '.join(args.jsonl)})",
+                     priors=list(priors.values()), draft_costs=costs),
                 f, indent=1)
     print(f"wrote {len(priors)} priors to {args.priors}", file=sys.stderr)
   return 0

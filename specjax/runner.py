@@ -90,7 +90,7 @@ def generate_ids(model: Model, prompts: Sequence[Sequence[int]], *,
   """
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-  pad_id = model.tokenizer.pad_id or 0
+  pad_id = getattr(model.tokenizer, "pad_id", None) or 0
   prompt_BT, lengths_B = bucketing.pad_prompts(prompts, pad_id)
   dcfg = decode_config(model, prompt_BT.shape[1], max_new_tokens, sampling,
                        drafter, num_draft)

@@ -7,7 +7,9 @@ The tuner scores every (method, K) with ``theory``'s wall-time model,
 where the verify curve and the per-step rest are timed on this machine for
 the workload's batch size (``measure_costs``), draft costs follow from them
 (a layer-skip draft of k of L layers costs about k/L of a forward per token;
-table drafters cost ~nothing), and α, the per-draft acceptance, comes from
+a trained head costs the fraction of a forward per token that ``specjax
+bench`` measured, ``DRAFT_COST``; table drafters cost ~nothing), and α, the
+per-draft acceptance, comes from
 ``PRIORS``: acceptance measured by ``specjax bench`` (docs/RESULTS.md),
 interpolated in temperature. Tasks that were not measured borrow the nearest
 measured one and say so in the reasoning. When no method beats AR by 5%, AR
@@ -33,21 +35,24 @@ TASKS = ("chat", "code", "summarize", "creative")
 K_MAX = 8
 MIN_GAIN = 1.05
 
-def _load_priors() -> dict[tuple[str, str], dict[float, float]]:
+def _load_priors() -> tuple[dict[tuple[str, str], dict[float, float]],
+                             dict[str, float]]:
   """Per-draft acceptance α by (method, task) and temperature: the geometric
-  fit ((1 - α^(K+1)) / (1 - α) = τ) to τ measured by ``specjax bench``,
+  fit ((1 - α^(K+1)) / (1 - α) = τ) to τ measured by ``specjax bench``; and
+  per method, a drafted token's cost in one-token target forwards. Both are
   written by experiments/summarize_spec_bench.py (docs/RESULTS.md)."""
   path = pathlib.Path(__file__).with_name("tuner_priors.json")
   if not path.is_file():
-    return {}
+    return {}, {}
+  data = json.loads(path.read_text())
   table: dict = {}
-  for p in json.loads(path.read_text())["priors"]:
+  for p in data["priors"]:
     table.setdefault((p["method"], p["task"]), {})[float(p["temperature"])] = (
         float(p["alpha"]))
-  return table
+  return table, {m: float(c) for m, c in data.get("draft_costs", {}).items()}
 
 
-PRIORS = _load_priors()
+PRIORS, DRAFT_COST = _load_priors()
 
 # Unmeasured tasks borrow a measured one; why, in words for the reasoning.
 BORROW = {
@@ -55,7 +60,7 @@ BORROW = {
                           "ngram/retrieval"),
     "creative": ("chat", "creative text repeats less than chat answers, so "
                          "this is optimistic"),
-    "code": ("chat", "no code measurement yet"),
+    "code": ("chat", "this method was not measured on code"),
 }
 
 
@@ -102,7 +107,8 @@ class CostCurve:
     if method == "layerskip":  # a 2-token re-feed, then K - 1 single tokens
       frac = layers / self.num_layers
       return frac * (self.forward[2] + (k - 1) * self.forward[1])
-    return 0.0  # table lookups: well under a millisecond
+    # A head's step is a fixed fraction of a forward; tables cost ~0.
+    return k * DRAFT_COST.get(method, 0.0) * self.forward[1]
 
   def verify_ratio(self, k: int) -> float:
     """v(K): the verify forward (plus the step's rest) in AR-step units."""
@@ -196,7 +202,7 @@ def recommend(workload: Workload, costs: CostCurve, methods=None,
               layers: Optional[int] = None) -> Recommendation:
   """Scores every measured (method, K ≤ K_MAX) and picks the fastest."""
   layers = layers or max(1, round(0.8 * costs.num_layers))
-  methods = methods or ("ngram", "retrieval", "layerskip")
+  methods = methods or ("ngram", "retrieval", "layerskip", "eagle3")
   ar_ms = costs.ar_step * 1e3
   reasoning = [f"AR step at batch {workload.batch_size}: {ar_ms:.1f} ms; a "
                f"verify over K+1 tokens costs v(K) = "

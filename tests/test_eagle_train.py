@@ -156,3 +156,47 @@ def test_heldout_accuracy_ignores_batch_padding(tiny_model, tmp_path):
   assert all(0.0 <= x <= 1.0 for x in a["acc"])
   np.testing.assert_allclose(evaluate.expected_tau([0.6] * 4),
                              theory.expected_tokens(0.6, 4))
+
+
+def test_regenerate_keeps_context_and_resumes(tiny_model, tmp_path,
+                                              monkeypatch):
+  """Invariants: (1) every row keeps its tokens before its first assistant
+  token; (2) what follows is exactly the target's own greedy reply to that
+  context (the runner, one row alone), masked as output; (3) a run
+  interrupted after its first batch resumes from the saved batches and
+  returns the same arrays as an uninterrupted one."""
+  from specjax import runner
+  from specjax.eagle.regenerate import regenerate
+  from specjax.sampling import SamplingParams
+  ex = _examples(n=5)
+  kw = dict(max_new_tokens=6, sampling=SamplingParams(), batch_size=2,
+            progress=False)
+  full = regenerate(tiny_model, ex, cache_dir=tmp_path / "a", **kw)
+  start = ex.mask.argmax(axis=1)
+  for r, s in enumerate(start):
+    reply = runner.generate_ids(tiny_model, [ex.ids[r, :s].tolist()],
+                                max_new_tokens=6).rows[0].output_ids
+    n = full.lengths[r]
+    assert n == s + len(reply)
+    np.testing.assert_array_equal(full.ids[r, :n], [*ex.ids[r, :s], *reply])
+    pos = np.arange(12)
+    np.testing.assert_array_equal(full.mask[r], (pos >= s) & (pos < n))
+
+  class Killed(Exception):
+    pass
+  real, calls, kill_at = runner.generate_ids, [], [2]
+  def flaky(*a, **k):
+    calls.append(1)
+    if len(calls) in kill_at:
+      kill_at.clear()
+      raise Killed
+    return real(*a, **k)
+  monkeypatch.setattr(runner, "generate_ids", flaky)
+  with pytest.raises(Killed):
+    regenerate(tiny_model, ex, cache_dir=tmp_path / "b", **kw)
+  calls.clear()
+  again = regenerate(tiny_model, ex, cache_dir=tmp_path / "b", **kw)
+  assert len(calls) == 2  # 3 batches of 2 rows, the first one kept
+  for a, b in zip((full.ids, full.mask, full.lengths),
+                  (again.ids, again.mask, again.lengths)):
+    np.testing.assert_array_equal(a, b)

@@ -18,6 +18,7 @@ def priors(monkeypatch):
   table = {("ngram", "chat"): {0.0: 0.8, 1.0: 0.4},
            ("layerskip", "chat"): {0.0: 0.3, 1.0: 0.2}}
   monkeypatch.setattr(tuner, "PRIORS", table)
+  monkeypatch.setattr(tuner, "DRAFT_COST", {})
   return table
 
 
@@ -33,6 +34,22 @@ def test_picks_the_theory_optimum(priors):
   assert (rec.method, rec.num_draft) == ("ngram", best)
   assert rec.expected_speedup == pytest.approx(gain(best))
   assert rec.expected_speedup > 2
+
+
+def test_head_drafts_pay_their_measured_cost(priors, monkeypatch):
+  """Invariant: a trained head's K drafts add K x its measured per-token
+  cost (a fraction of a one-token forward) to the step; a table drafter
+  with the same α adds nothing, so it predicts the larger speedup."""
+  priors[("eagle3", "chat")] = priors[("ngram", "chat")]
+  monkeypatch.setattr(tuner, "DRAFT_COST", {"eagle3": 0.1})
+  rec = tuner.recommend(tuner.Workload(), FLAT, methods=("ngram", "eagle3"))
+  by = {o.method: o for o in rec.options}
+  k = by["eagle3"].num_draft
+  step = 0.1 * k * FLAT.forward[1] + FLAT.forward[k + 1] + FLAT.rest
+  assert by["eagle3"].speedup == pytest.approx(
+      FLAT.ar_step * theory.expected_tokens(0.8, k) / step)
+  assert by["ngram"].speedup > by["eagle3"].speedup
+  assert rec.method == "ngram"
 
 
 def test_falls_back_to_ar_where_speculation_cannot_pay(priors):

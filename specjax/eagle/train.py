@@ -51,6 +51,10 @@ class TrainConfig:
     seed: data order and init.
     checkpoint_every, keep: orbax checkpoint cadence and retention.
     log_every: metrics cadence.
+    regenerate: 0 trains on the dataset's own replies; N > 0 on the first N
+      training conversations with their first reply rewritten by the target
+      (``eagle.regenerate``; the held-out split is rewritten too).
+    regen_temperature, regen_max_new_tokens: how the target writes them.
   """
   model: str = "smollm2-135m"
   variant: str = "eagle3"
@@ -73,6 +77,9 @@ class TrainConfig:
   checkpoint_every: int = 50
   keep: int = 3
   log_every: int = 10
+  regenerate: int = 0
+  regen_temperature: float = 0.7
+  regen_max_new_tokens: int = 384
 
   def ttt_at(self, step: int) -> int:
     warm = step < int(self.ttt_warm_fraction * self.steps)
@@ -170,6 +177,16 @@ def setup(cfg: TrainConfig, *, model=None,
     examples = edata.sharegpt_examples(model.tokenizer, cfg.num_conversations,
                                        cfg.max_len, progress=progress)
   train_ex, heldout_ex = edata.split(examples, cfg.heldout, cfg.seed)
+  if cfg.regenerate:
+    from specjax.eagle.regenerate import regenerate
+    from specjax.sampling import SamplingParams
+    rewrite = lambda ex: regenerate(
+        model, ex, max_new_tokens=cfg.regen_max_new_tokens,
+        sampling=SamplingParams(temperature=cfg.regen_temperature),
+        seed=cfg.seed, progress=progress)
+    train_ex = rewrite(train_ex.take(np.arange(min(cfg.regenerate,
+                                                   len(train_ex)))))
+    heldout_ex = rewrite(heldout_ex)
   vd = tcfg.vocab_size if cfg.variant == "eagle1" else cfg.draft_vocab
   vocab = build_draft_vocab(
       (r[m] for r, m in zip(train_ex.ids, train_ex.mask)), tcfg.vocab_size,
