@@ -112,7 +112,9 @@ def ttt_loss(params, cfg: HeadConfig, embed_VD, batch: TTTBatch,
   For an EAGLE-1 head (``cfg.variant``) loss_k = SmoothL1(predicted feature,
   target feature at t + 1 + k) + 0.1 · soft CE, as in EAGLE-1's training.
   Returns ``(loss, metrics)`` with per-step ``loss``, ``acc`` and ``count``
-  arrays of length ``num_steps``.
+  arrays of length ``num_steps``, and ``assistant``: the step-0 positions
+  whose next token is an assistant token, counted or not (``count[0] /
+  assistant`` is the draft vocabulary's coverage of the target's argmax).
   """
   head = head_module(cfg)
   call = lambda method, *a: head.apply({"params": params}, *a, method=method)
@@ -173,4 +175,5 @@ def ttt_loss(params, cfg: HeadConfig, embed_VD, batch: TTTBatch,
     stats = [jnp.concatenate([jnp.stack([a]), b]) for a, b in zip(first, rest)]
   losses, accs, counts = stats
   total = jnp.sum(decay ** jnp.arange(K) * losses)
-  return total, dict(loss=losses, acc=accs, count=counts)
+  assistant = jnp.sum(jax.lax.dynamic_slice_in_dim(p["loss_mask"], 2, T, 1))
+  return total, dict(loss=losses, acc=accs, count=counts, assistant=assistant)
