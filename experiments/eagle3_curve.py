@@ -10,8 +10,9 @@ one JSON line: run, step, training tokens, acc per step, coverage of Vd,
 expected τ of a 7-chain. --heldout-of RUN scores every run on RUN's held-out
 conversations instead (e.g. replies the target regenerated; rows then carry
 "heldout": RUN and stay out of the plot). Lines already in --json are
-skipped, so the script resumes; --plot draws τ against training tokens and acceptance per step;
---export writes checkpoints as head files for `--method eagle3 --head`.
+skipped, so the script resumes; --plot draws τ against training tokens and
+acceptance per step; --export writes checkpoints as head files for
+`--method eagle3 --head`.
 """
 
 from __future__ import annotations
