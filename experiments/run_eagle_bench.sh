@@ -16,4 +16,4 @@ $B --dataset mtbench --num-prompts ${N_CHAT:-30} --temperature 0 \
 $B --dataset mtbench --num-prompts ${N_T1:-20} --temperature 1 \
   eagle3:k=7 eagle3:k=7:conf=0.3
 $B --dataset humaneval --num-prompts ${N_CODE:-20} --temperature 0 \
-  eagle3:k=7:conf=0.3 ngram:k=5
+  eagle3:k=7 eagle3:k=7:conf=0.3 ngram:k=5
