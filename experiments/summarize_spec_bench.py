@@ -4,12 +4,13 @@
       [more.jsonl ...] [--priors specjax/tuner_priors.json]
 
 Prints one table row per (method, temperature) and, with --priors, writes what
-the tuner uses: the per-draft acceptance α whose geometric model
-(1 - α^(K+1)) / (1 - α) reproduces the measured τ at the measured K (fixed-K
-rows only: a dynamic-K row's τ is not that of its K; later files win on the
-same method, task and temperature), and for each drafter with a per-token
-cost (a trained head), a drafted token's cost in one-token target forwards
-(median over its rows).
+the tuner uses: the share of steps that drafted (the rest ran a one-token
+forward and emitted one token) and the per-draft acceptance α whose geometric
+model (1 - α^(K+1)) / (1 - α) reproduces the τ of the steps that drafted at
+the measured K (fixed-K rows only: a dynamic-K row's τ is not that of its K;
+later files win on the same method, task and temperature), and for each
+drafter with a per-token cost (a trained head), a drafted token's cost in
+one-token target forwards (median over its rows).
 """
 
 from __future__ import annotations
@@ -79,10 +80,13 @@ def main(argv=None) -> int:
     priors = {}
     for r in fixed:
       task = TASK_OF.get(r["dataset"], "chat")
+      # Steps without drafts emit exactly one token; α fits the others.
+      w = r.get("wide_verify_fraction") or 1.0
       priors[r["method"], task, r["temperature"]] = dict(
           method=r["method"], task=task, temperature=r["temperature"],
-          k=r["num_draft"], tau=r["tau"],
-          alpha=alpha_from_tau(r["tau"], r["num_draft"]), git_sha=r["git_sha"])
+          k=r["num_draft"], tau=r["tau"], draft_rate=w,
+          alpha=alpha_from_tau(1 + (r["tau"] - 1) / w, r["num_draft"]),
+          git_sha=r["git_sha"])
     per_token = {}
     for r in fixed:
       if r["method"] != "layerskip":  # the tuner models it from its layers

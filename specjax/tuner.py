@@ -35,24 +35,28 @@ TASKS = ("chat", "code", "summarize", "creative")
 K_MAX = 8
 MIN_GAIN = 1.05
 
-def _load_priors() -> tuple[dict[tuple[str, str], dict[float, float]],
-                             dict[str, float]]:
-  """Per-draft acceptance α by (method, task) and temperature: the geometric
-  fit ((1 - α^(K+1)) / (1 - α) = τ) to τ measured by ``specjax bench``; and
-  per method, a drafted token's cost in one-token target forwards. Both are
-  written by experiments/summarize_spec_bench.py (docs/RESULTS.md)."""
+def _load_priors():
+  """From ``specjax bench`` runs (experiments/summarize_spec_bench.py writes
+  them; docs/RESULTS.md), by (method, task) and temperature: the per-draft
+  acceptance α of the steps that drafted (the geometric fit
+  (1 - α^(K+1)) / (1 - α) = τ of those steps) and the share of steps that
+  drafted at all (a table drafter with no match runs a one-token forward);
+  and per method, a drafted token's cost in one-token target forwards."""
   path = pathlib.Path(__file__).with_name("tuner_priors.json")
   if not path.is_file():
-    return {}, {}
+    return {}, {}, {}
   data = json.loads(path.read_text())
-  table: dict = {}
+  alpha: dict = {}
+  rate: dict = {}
   for p in data["priors"]:
-    table.setdefault((p["method"], p["task"]), {})[float(p["temperature"])] = (
-        float(p["alpha"]))
-  return table, {m: float(c) for m, c in data.get("draft_costs", {}).items()}
+    key, t = (p["method"], p["task"]), float(p["temperature"])
+    alpha.setdefault(key, {})[t] = float(p["alpha"])
+    rate.setdefault(key, {})[t] = float(p.get("draft_rate", 1.0))
+  costs = {m: float(c) for m, c in data.get("draft_costs", {}).items()}
+  return alpha, rate, costs
 
 
-PRIORS, DRAFT_COST = _load_priors()
+PRIORS, DRAFT_RATE, DRAFT_COST = _load_priors()
 
 # Unmeasured tasks borrow a measured one; why, in words for the reasoning.
 BORROW = {
@@ -182,20 +186,37 @@ def measure_costs(model: "Model", batch_size: int, progress: bool = True,
                    num_layers=cfg.num_layers)
 
 
+def _measured_task(method: str, task: str) -> tuple[str, str]:
+  """The task whose measurement stands in, and a note when it is borrowed."""
+  if (method, task) not in PRIORS and task in BORROW:
+    source, why = BORROW[task]
+    return source, f" (borrowed from {source}: {why})"
+  return task, ""
+
+
+def _interp(by_t: dict[float, float], temperature: float) -> float:
+  """Linear in temperature between measured points, clamped outside."""
+  ts = sorted(by_t)
+  t = min(max(temperature, ts[0]), ts[-1])
+  return float(np.interp(t, ts, [by_t[x] for x in ts]))
+
+
 def alpha_for(method: str, task: str, temperature: float
               ) -> tuple[Optional[float], str]:
   """α for the workload and where it came from (a phrase for the reasoning)."""
-  source, note = task, ""
-  if (method, task) not in PRIORS and task in BORROW:
-    source, why = BORROW[task]
-    note = f" (borrowed from {source}: {why})"
+  source, note = _measured_task(method, task)
   by_t = PRIORS.get((method, source))
   if not by_t:
     return None, "no measurement"
-  ts = sorted(by_t)
-  t = min(max(temperature, ts[0]), ts[-1])
-  alpha = float(np.interp(t, ts, [by_t[x] for x in ts]))
-  return alpha, f"α={alpha:.2f} measured on {source} at T in {ts}{note}"
+  alpha = _interp(by_t, temperature)
+  return alpha, f"α={alpha:.2f} measured on {source} at T in {sorted(by_t)}{note}"
+
+
+def draft_rate_for(method: str, task: str, temperature: float) -> float:
+  """Share of steps that draft, from the same measurement as ``alpha_for``
+  (1 where none says otherwise)."""
+  by_t = DRAFT_RATE.get((method, _measured_task(method, task)[0]))
+  return _interp(by_t, temperature) if by_t else 1.0
 
 
 def recommend(workload: Workload, costs: CostCurve, methods=None,
@@ -214,18 +235,22 @@ def recommend(workload: Workload, costs: CostCurve, methods=None,
     if alpha is None:
       reasoning.append(f"{method}: skipped, {source}.")
       continue
+    # A step without drafts (rate 1 - w) emits one token for a one-token
+    # forward: the engine's adaptive verify width.
+    w = draft_rate_for(method, workload.task, workload.temperature)
     best = None
     for k in range(1, K_MAX + 1):
-      e = theory.expected_tokens(alpha, k)
-      step_s = (costs.draft(method, k, layers) + costs.forward[k + 1]
-                + costs.rest)
+      e = (1 - w) + w * theory.expected_tokens(alpha, k)
+      step_s = costs.rest + (1 - w) * costs.forward[1] + w * (
+          costs.draft(method, k, layers) + costs.forward[k + 1])
       opt = Option(method, k, alpha, e, step_s / e * 1e3,
                    costs.ar_step * e / step_s)
       if best is None or opt.speedup > best.speedup:
         best = opt
     options.append(best)
-    reasoning.append(f"{method}: {source}; best K={best.num_draft} gives "
-                     f"E={best.expected_tokens:.2f} tokens/verify, "
+    drafts = "" if w >= 0.995 else f", drafting on {w:.0%} of steps"
+    reasoning.append(f"{method}: {source}{drafts}; best K={best.num_draft} "
+                     f"gives E={best.expected_tokens:.2f} tokens/verify, "
                      f"{best.speedup:.2f}x.")
   options.sort(key=lambda o: -o.speedup)
   top = options[0] if options else None

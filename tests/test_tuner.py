@@ -19,6 +19,7 @@ def priors(monkeypatch):
            ("layerskip", "chat"): {0.0: 0.3, 1.0: 0.2}}
   monkeypatch.setattr(tuner, "PRIORS", table)
   monkeypatch.setattr(tuner, "DRAFT_COST", {})
+  monkeypatch.setattr(tuner, "DRAFT_RATE", {})
   return table
 
 
@@ -50,6 +51,25 @@ def test_head_drafts_pay_their_measured_cost(priors, monkeypatch):
       FLAT.ar_step * theory.expected_tokens(0.8, k) / step)
   assert by["ngram"].speedup > by["eagle3"].speedup
   assert rec.method == "ngram"
+
+
+def test_steps_without_drafts_cost_one_token_forward(priors, monkeypatch):
+  """Invariant: a drafter that drafts on a share w of steps (the others run
+  a one-token forward and emit one token, the engine's adaptive verify width)
+  is scored as that mixture, which on a steep verify curve beats drafting on
+  every step with the same α."""
+  monkeypatch.setattr(tuner, "DRAFT_RATE", {("ngram", "chat"): {0.0: 0.5}})
+  rec = tuner.recommend(tuner.Workload(), STEEP, methods=("ngram",))
+  opt = rec.options[0]
+  k = opt.num_draft
+  e = 0.5 + 0.5 * theory.expected_tokens(0.8, k)
+  step = STEEP.rest + 0.5 * STEEP.forward[1] + 0.5 * STEEP.forward[k + 1]
+  assert opt.expected_tokens == pytest.approx(e)
+  assert opt.speedup == pytest.approx(STEEP.ar_step * e / step)
+  assert any("drafting on 50% of steps" in line for line in rec.reasoning)
+  monkeypatch.setattr(tuner, "DRAFT_RATE", {})
+  always = tuner.recommend(tuner.Workload(), STEEP, methods=("ngram",))
+  assert always.options[0].speedup < opt.speedup
 
 
 def test_falls_back_to_ar_where_speculation_cannot_pay(priors):
