@@ -9,11 +9,14 @@ the workload's batch size (``measure_costs``), draft costs follow from them
 (a layer-skip draft of k of L layers costs about k/L of a forward per token;
 a trained head costs the fraction of a forward per token that ``specjax
 bench`` measured, ``DRAFT_COST``; table drafters cost ~nothing), and α, the
-per-draft acceptance, comes from
-``PRIORS``: acceptance measured by ``specjax bench`` (docs/RESULTS.md),
-interpolated in temperature. Tasks that were not measured borrow the nearest
-measured one and say so in the reasoning. When no method beats AR by 5%, AR
-is the recommendation: speculation only pays where α survives the workload.
+per-draft acceptance, comes from ``PRIORS``: acceptance measured by
+``specjax bench`` (docs/RESULTS.md), interpolated in temperature. A drafter
+that drafts on only a share w of steps (``DRAFT_RATE``: a table drafter with
+no match) is scored as the mixture the engine runs: w of the steps as above,
+the rest a one-token forward that emits one token. Tasks that were not
+measured borrow the nearest measured one and say so in the reasoning. When no
+method beats AR by 5%, AR is the recommendation: speculation only pays where
+α survives the workload.
 """
 
 from __future__ import annotations
