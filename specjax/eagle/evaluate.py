@@ -29,6 +29,12 @@ def expected_tau(acc, coverage: float = 1.0) -> float:
   return float(1.0 + alive.sum())
 
 
+# Module-level, configs static: one compile per (head config, K) for the
+# process, not one per checkpoint evaluated.
+_metrics = jax.jit(lambda p, hcfg, embed, b, K: ttt_loss(p, hcfg, embed, b, K)[1],
+                   static_argnums=(1, 4))
+
+
 def heldout_accuracy(s: Setup, params, num_steps: int = 7,
                      batch_size: int = 4) -> dict:
   """Per-step top-1 agreement with the target on ``s.heldout_ex``.
@@ -39,8 +45,6 @@ def heldout_accuracy(s: Setup, params, num_steps: int = 7,
   """
   ex, N = s.heldout_ex, len(s.heldout_ex)
   features = s.features()
-  metrics = jax.jit(lambda p, embed, b: ttt_loss(p, s.hcfg, embed, b,
-                                                 num_steps)[1])
   hits, counts = np.zeros(num_steps), np.zeros(num_steps)
   assistant = 0
   for i in range(0, N, batch_size):
@@ -48,7 +52,8 @@ def heldout_accuracy(s: Setup, params, num_steps: int = 7,
     part = ex.take(idx)
     mask = part.mask & (np.arange(i, i + batch_size) < N)[:, None]
     batch = features(s.model.params, s.vocab, part.ids, mask)
-    m = jax.device_get(metrics(params, s.model.params.embed, batch))
+    m = jax.device_get(_metrics(params, s.hcfg, s.model.params.embed, batch,
+                                num_steps))
     hits += np.asarray(m["acc"]) * np.asarray(m["count"])
     counts += np.asarray(m["count"])
     assistant += int(m["assistant"])
