@@ -4,7 +4,8 @@
   specjax train --config experiments/eagle3_smollm2.py --set steps=50 --workdir /tmp/e3
 
 Sized for this 2-core CPU (../shared/research/eagle3_cpu_calibration.md):
-~2 h of training, ~0.95M tokens. Vd 16384 covers ~97% of assistant tokens;
+~2 h of training with the CPU to itself (~5.6 s per TTT-3 step, ~9 s per
+TTT-7 step), ~1.1M tokens. Vd 16384 covers ~97% of assistant tokens;
 TTT 3 for the first 85% of steps (twice the throughput, and at this accuracy
 depths past 3 add little to τ), then 7; batch 2 x 512 tokens. Runs resume
 from the newest checkpoint in the workdir.
@@ -16,7 +17,7 @@ from specjax.eagle.train import TrainConfig
 def config() -> TrainConfig:
   return TrainConfig(
       model="smollm2-135m", num_conversations=4000, heldout=64, max_len=512,
-      batch_size=2, steps=1000, ttt_steps=7, ttt_warm_steps=3,
+      batch_size=2, steps=1150, ttt_steps=7, ttt_warm_steps=3,
       ttt_warm_fraction=0.85, draft_vocab=16384, lr=3e-4, warmup=20,
       final_lr_fraction=0.1, clip_norm=0.5, checkpoint_every=50, keep=3,
       log_every=10)

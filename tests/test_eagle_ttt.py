@@ -9,6 +9,7 @@ import pytest
 from specjax.eagle import (Eagle3Head, HeadConfig, TTTBatch, build_draft_vocab,
                            dense_mask, target_batch, ttt_loss)
 from specjax.eagle.head import attend
+from specjax.eagle.ttt import loss_rows
 
 # All-different dims: D=24, N=6, G=2, H=4, F=40, V=37, Vd=29, T=11, taps 3.
 CFG = HeadConfig(target_dim=24, target_vocab=37, target_layers=3,
@@ -80,15 +81,20 @@ def _loop_loss(params, embed, batch, K, decay=0.8, stop_feedback=False):
   return total, jnp.stack(accs)
 
 
-@pytest.mark.parametrize("K,fused", [(1, True), (7, True), (3, False)])
-def test_scan_equals_explicit_loop(K, fused):
+@pytest.mark.parametrize("K,fused,bucket", [(1, True, None), (7, True, None),
+                                            (3, False, None), (7, True, 5)])
+def test_scan_equals_explicit_loop(K, fused, bucket):
   """Invariants: the scan-unrolled TTT loss, its per-step accuracies and its
   gradients equal the explicit loop reference (f32, rtol 1e-5), with the
-  fused LM-head + soft-CE custom VJP and with plain autodiff."""
+  fused LM-head + soft-CE custom VJP, with plain autodiff, and with the LM
+  head run on only the gathered assistant rows (``loss_rows``: 15 of 22
+  here, with the zero-weight padding rows a bucket of 5 adds)."""
   params, embed = _init()
   batch = _batch()
+  rows = None if bucket is None else loss_rows(batch.loss_mask, bucket)
+  assert rows in (None, 15)
   (loss, m), g = jax.value_and_grad(
-      lambda p: ttt_loss(p, CFG, embed, batch, K, fused=fused),
+      lambda p: ttt_loss(p, CFG, embed, batch, K, fused=fused, rows=rows),
       has_aux=True)(params)
   (ref, acc), g_ref = jax.value_and_grad(
       lambda p: _loop_loss(p, embed, batch, K), has_aux=True)(params)

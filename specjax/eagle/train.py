@@ -27,7 +27,7 @@ import optax
 from specjax.eagle import data as edata
 from specjax.eagle.export import save_head
 from specjax.eagle.head import FROZEN, HeadConfig, head_module
-from specjax.eagle.ttt import target_batch, ttt_loss
+from specjax.eagle.ttt import loss_rows, target_batch, ttt_loss
 from specjax.eagle.vocab import DraftVocab, build_draft_vocab
 
 
@@ -250,11 +250,11 @@ def train(cfg: TrainConfig, workdir: str, *, model=None,
   _truncate_metrics(metrics_path, start)
   features = s.features()
 
-  def make_step(K):
+  def make_step(K, rows):
     @jax.jit
     def step_fn(state, batch, embed_VD):
       (loss, m), g = jax.value_and_grad(
-          lambda p: ttt_loss(p, hcfg, embed_VD, batch, K),
+          lambda p: ttt_loss(p, hcfg, embed_VD, batch, K, rows=rows),
           has_aux=True)(state["params"])
       upd, opt_state = opt.update(g, state["opt"], state["params"])
       return ({"params": optax.apply_updates(state["params"], upd),
@@ -271,10 +271,12 @@ def train(cfg: TrainConfig, workdir: str, *, model=None,
     idx = edata.batch_indices(step, len(train_ex), cfg.batch_size, cfg.seed)
     ex = train_ex.take(idx)
     batch = features(tparams, vocab, ex.ids, ex.mask)
-    K = cfg.ttt_at(step)
-    if K not in steps:
-      steps[K] = make_step(K)
-    state, loss, m, gnorm = steps[K](state, batch, tparams.embed)
+    # One compile per (TTT length, bucket of assistant positions).
+    key = (cfg.ttt_at(step), loss_rows(ex.mask, cfg.batch_size * 64))
+    if key not in steps:
+      steps[key] = make_step(*key)
+    K = key[0]
+    state, loss, m, gnorm = steps[key](state, batch, tparams.embed)
     losses[step] = float(loss)
     tokens_seen += int(ex.lengths.sum())
     if (step + 1) % cfg.log_every == 0 or step + 1 == end:
