@@ -36,14 +36,18 @@ CFG = etrain.TrainConfig(heldout=2, max_len=12, batch_size=2, steps=6,
                          checkpoint_every=2, keep=2, log_every=1)
 
 
+@pytest.mark.parametrize("feature_cache", [0, 5])
 def test_resume_after_interruption_matches_uninterrupted(tiny_model,
-                                                         tmp_path):
+                                                         tmp_path,
+                                                         feature_cache):
   """Invariants: (1) a run stopped after step 3 (last checkpoint: step 2)
   and restarted continues from step 2 with the same per-step losses as an
   uninterrupted run (data order is a function of the step; params and
   optimizer state round-trip through orbax exactly); (2) the metrics log
-  holds each step once; (3) orbax keeps only ``keep`` checkpoints."""
+  holds each step once; (3) orbax keeps only ``keep`` checkpoints. Also
+  for training epochs over cached target features (5 examples)."""
   ex = _examples()
+  CFG = dataclasses.replace(globals()["CFG"], feature_cache=feature_cache)
   full = etrain.train(CFG, tmp_path / "a", model=tiny_model, examples=ex,
                       progress=False)
   part = etrain.train(CFG, tmp_path / "b", model=tiny_model, examples=ex,
@@ -64,6 +68,49 @@ def test_resume_after_interruption_matches_uninterrupted(tiny_model,
                 if p.name.isdigit())
   assert kept == [4, 6]
   assert full.losses[5] < full.losses[0]
+
+
+def test_feature_cache_equals_on_the_fly_and_resumes(tiny_model, tmp_path):
+  """Invariants: (1) a float32 cache gives the batch the target gives on
+  the fly (argmax-in-Vd equal; taps, and Vd logits recomputed from the
+  cached hidden, to 1e-5: separately compiled programs); (2) bfloat16 keeps
+  taps to one bf16 ulp (2^-7 relative); (3) a
+  build killed after one batch resumes to the same files as an unbroken
+  one; (4) a cache of other examples is rebuilt, never reused."""
+  from specjax.eagle import features as efeat
+  from specjax.eagle.ttt import target_batch
+  ex = _examples(n=5)
+  s = etrain.setup(CFG, model=tiny_model, examples=_examples(), progress=False)
+  tp, tcfg = tiny_model.params, tiny_model.config
+  build = lambda d, **kw: efeat.build(tiny_model, "tiny", s.hcfg, s.vocab, ex,
+                                      tmp_path / d, progress=False, **kw)
+  idx = np.array([4, 1])
+  want = target_batch(tp, tcfg, s.hcfg, s.vocab, ex.ids[idx], ex.mask[idx])
+  rows = efeat.draft_rows(tp, s.vocab)
+  for dtype, rtol, atol in (("float32", 1e-5, 1e-5), ("bfloat16", 2 ** -7, 0)):
+    got = efeat.cached_batch(build(dtype, dtype=dtype), rows, idx, ex)
+    np.testing.assert_allclose(got.taps, want.taps, rtol=rtol, atol=atol)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.loss_mask, want.loss_mask)
+    if dtype == "float32":
+      np.testing.assert_allclose(got.target_logits, want.target_logits,
+                                 rtol=1e-5, atol=1e-5)
+      np.testing.assert_array_equal(got.target_in_vocab, want.target_in_vocab)
+  build("killed", stop_after=1)
+  assert not efeat.is_complete(tmp_path / "killed")
+  resumed = build("killed")
+  full = build("bfloat16")
+  assert efeat.is_complete(tmp_path / "killed")
+  for a, b in zip(dataclasses.astuple(resumed), dataclasses.astuple(full)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32),
+                                  np.asarray(b, np.float32))
+  other = dataclasses.replace(ex, ids=(ex.ids + 1) % 37)
+  got = efeat.cached_batch(efeat.build(tiny_model, "tiny", s.hcfg, s.vocab,
+                                       other, tmp_path / "killed",
+                                       progress=False), rows, idx, other)
+  np.testing.assert_allclose(
+      got.taps, target_batch(tp, tcfg, s.hcfg, s.vocab, other.ids[idx],
+                             other.mask[idx]).taps, rtol=2 ** -7)
 
 
 def jax_leaves(tree):

@@ -58,18 +58,34 @@ class TTTBatch:
   loss_mask: jax.Array
 
 
-def target_batch(target_params: llama.LlamaParams, target_cfg: ModelConfig,
-                 head_cfg: HeadConfig, vocab: DraftVocab, tokens_BT,
-                 loss_mask_BT) -> TTTBatch:
-  """Runs the frozen target once over the batch (no cache reuse needed)."""
+def _target_forward(target_params: llama.LlamaParams, target_cfg: ModelConfig,
+                    head_cfg: HeadConfig, vocab: DraftVocab, tokens_BT):
+  """The frozen target once over the batch (no cache reuse needed): fused
+  taps, final-normed hidden, whether its argmax is in Vd, full logits."""
   B, T = tokens_BT.shape
   cache = llama.init_cache(target_cfg, B, T, target_params.embed.dtype)
   out = llama.forward(target_params, target_cfg, tokens_BT, cache,
-                      taps=head_cfg.taps)
-  taps_BTF = jnp.concatenate(list(out.taps), axis=-1)  # low, mid, high
-  logits = out.logits
-  in_vocab = jnp.asarray(vocab.in_vocab)[jnp.argmax(logits, axis=-1)]
-  return TTTBatch(tokens=tokens_BT, taps=jax.lax.stop_gradient(taps_BTF),
+                      taps=head_cfg.taps + (target_cfg.num_layers,))
+  taps_BTF = jnp.concatenate(list(out.taps[:-1]), axis=-1)  # low, mid, high
+  hidden_BTD = llama.rms_norm(out.taps[-1], target_params.final_norm,
+                              target_cfg.norm_eps)
+  in_vocab = jnp.asarray(vocab.in_vocab)[jnp.argmax(out.logits, axis=-1)]
+  return (jax.lax.stop_gradient(taps_BTF), hidden_BTD, in_vocab, out.logits)
+
+
+def target_outputs(target_params, target_cfg, head_cfg, vocab, tokens_BT):
+  """``(taps, hidden, in_vocab)``: what ``eagle.features`` caches."""
+  return _target_forward(target_params, target_cfg, head_cfg, vocab,
+                         tokens_BT)[:3]
+
+
+def target_batch(target_params: llama.LlamaParams, target_cfg: ModelConfig,
+                 head_cfg: HeadConfig, vocab: DraftVocab, tokens_BT,
+                 loss_mask_BT) -> TTTBatch:
+  """A ``TTTBatch`` with the frozen target's outputs computed on the fly."""
+  taps, _, in_vocab, logits = _target_forward(target_params, target_cfg,
+                                              head_cfg, vocab, tokens_BT)
+  return TTTBatch(tokens=tokens_BT, taps=taps,
                   target_logits=logits[..., jnp.asarray(vocab.ids)],
                   target_in_vocab=in_vocab,
                   loss_mask=jnp.asarray(loss_mask_BT, bool))
