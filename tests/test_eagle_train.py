@@ -79,6 +79,7 @@ def test_feature_cache_equals_on_the_fly_and_resumes(tiny_model, tmp_path):
   one; (4) a cache of other examples is rebuilt, never reused."""
   from specjax.eagle import features as efeat
   from specjax.eagle.ttt import target_batch
+  from specjax.eagle.vocab import draft_rows
   ex = _examples(n=5)
   s = etrain.setup(CFG, model=tiny_model, examples=_examples(), progress=False)
   tp, tcfg = tiny_model.params, tiny_model.config
@@ -86,7 +87,7 @@ def test_feature_cache_equals_on_the_fly_and_resumes(tiny_model, tmp_path):
                                       tmp_path / d, progress=False, **kw)
   idx = np.array([4, 1])
   want = target_batch(tp, tcfg, s.hcfg, s.vocab, ex.ids[idx], ex.mask[idx])
-  rows = efeat.draft_rows(tp, s.vocab)
+  rows = draft_rows(tp, s.vocab)
   for dtype, rtol, atol in (("float32", 1e-5, 1e-5), ("bfloat16", 2 ** -7, 0)):
     got = efeat.cached_batch(build(dtype, dtype=dtype), rows, idx, ex)
     np.testing.assert_allclose(got.taps, want.taps, rtol=rtol, atol=atol)

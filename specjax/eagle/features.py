@@ -147,13 +147,6 @@ def _batch(out_VdD, taps, hidden, in_vocab, tokens, loss_mask) -> TTTBatch:
                   loss_mask=jnp.asarray(loss_mask, bool))
 
 
-def draft_rows(target_params, vocab: DraftVocab) -> jax.Array:
-  """The target's LM-head rows of the draft vocabulary, ``[Vd, D]``."""
-  out_VD = (target_params.embed if target_params.lm_head is None
-            else target_params.lm_head)
-  return jnp.asarray(out_VD)[jnp.asarray(vocab.ids)]
-
-
 def cached_batch(cache: FeatureCache, out_VdD, idx, ex: edata.Examples
                  ) -> TTTBatch:
   """The ``TTTBatch`` of examples ``idx`` (``ex`` is the cached set)."""

@@ -28,7 +28,7 @@ from specjax.eagle import data as edata
 from specjax.eagle.export import save_head
 from specjax.eagle.head import FROZEN, HeadConfig, head_module
 from specjax.eagle.ttt import loss_rows, target_batch, ttt_loss
-from specjax.eagle.vocab import DraftVocab, build_draft_vocab
+from specjax.eagle.vocab import DraftVocab, build_draft_vocab, draft_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,10 +134,8 @@ def init_head(key, hcfg: HeadConfig, target_params, vocab: DraftVocab):
       key, jnp.zeros((B, T, len(hcfg.taps) * hcfg.target_dim)),
       jnp.zeros((B, T), jnp.int32), target_params.embed,
       jnp.zeros((B, T), jnp.int32))["params"]
-  out_VD = (target_params.embed if target_params.lm_head is None
-            else target_params.lm_head)
   params = dict(params)
-  params["lm_head"] = {"kernel": jnp.asarray(out_VD[vocab.ids].T)}
+  params["lm_head"] = {"kernel": draft_rows(target_params, vocab).T}
   norm = "feature_norm" if hcfg.variant == "eagle1" else "norm"
   params[norm] = {"scale": jnp.asarray(target_params.final_norm)}
   return params
@@ -258,7 +256,7 @@ def train(cfg: TrainConfig, workdir: str, *, model=None,
     train_ex = train_ex.take(np.arange(min(cfg.feature_cache, len(train_ex))))
     cache = efeat.build(s.model, cfg.model, hcfg, vocab, train_ex,
                         work / "features", progress=progress)
-    out_VdD = efeat.draft_rows(tparams, vocab)
+    out_VdD = draft_rows(tparams, vocab)
     get_batch = lambda idx, ex: efeat.cached_batch(cache, out_VdD, idx,
                                                    train_ex)
   else:

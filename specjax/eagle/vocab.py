@@ -48,3 +48,11 @@ def build_draft_vocab(token_streams: Iterable[Sequence[int]], vocab_size: int,
   in_vocab = np.zeros(vocab_size, bool)
   in_vocab[ids] = True
   return DraftVocab(ids=ids, in_vocab=in_vocab)
+
+
+def draft_rows(target_params, vocab: DraftVocab) -> jax.Array:
+  """The target's LM-head rows of the draft vocabulary, ``[Vd, D]``: the
+  head's LM-head init and the recomputed target logits of a feature cache."""
+  out_VD = (target_params.embed if target_params.lm_head is None
+            else target_params.lm_head)
+  return jax.numpy.asarray(out_VD)[jax.numpy.asarray(vocab.ids)]
