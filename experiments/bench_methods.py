@@ -2,7 +2,7 @@
 
   .venv/bin/python experiments/bench_methods.py --dataset mtbench \
       --temperature 0 eagle3:k=7 eagle3:k=7:conf=0.4 ngram:k=5 \
-      --json experiments/results/bench_eagle.jsonl
+      --json experiments/results/bench_eagle.jsonl --journal runs/mt_t0.journal
 
 `specjax bench` gives every method of one invocation the same knobs; here each
 positional spec is NAME[:k=K][:conf=C][:layers=L][:head=PATH] (conf is
@@ -46,6 +46,8 @@ def main(argv=None):
   ap.add_argument("--max-new-tokens", type=int, default=128)
   ap.add_argument("--temperature", type=float, default=0.0)
   ap.add_argument("--json", default=None)
+  ap.add_argument("--journal", default=None,
+                  help="finished batches go here; a rerun resumes after them")
   args = ap.parse_args(argv)
 
   from specjax import bench, data, methods
@@ -68,7 +70,7 @@ def main(argv=None):
 
   bench.run(model, built, ids, max_new_tokens=args.max_new_tokens,
             sampling=SamplingParams(temperature=args.temperature),
-            dataset=args.dataset, on_result=emit)
+            dataset=args.dataset, on_result=emit, journal=args.journal)
 
 
 if __name__ == "__main__":

@@ -18,11 +18,20 @@ Definitions (aggregated over all rows):
   time_split: the method's wall time attributed to drafting, verifying and
     the rest (sampling, bookkeeping, loop), from per-component timings of
     the jitted propose and verify forward at the run's own shapes.
+
+A long run (80 MT-bench prompts x several methods is an hour on a 2-core CPU)
+can keep a journal: each batch's AR and method runs are appended to it as
+soon as that batch is done, and a rerun of the same benchmark reads them back
+instead of decoding again. A batch's AR and method timings always come from
+one process, back to back, so its speedup ratio stays a fair comparison.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import pathlib
 import statistics
 import subprocess
 import time
@@ -138,12 +147,53 @@ def git_sha() -> str:
     return "unknown"
 
 
+def _journal_key(model: Model, specs, prompts, **settings) -> str:
+  """What a journal record is valid for: same model, prompts and settings."""
+  blob = json.dumps([model.config.name, [list(map(int, p)) for p in prompts],
+                     [dataclasses.asdict(s) for s in specs], settings],
+                    sort_keys=True, default=str)
+  return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _read_journal(path: Optional[pathlib.Path], key: str) -> dict:
+  """``{(repeat, batch): [BatchResult of AR, then of each method]}``; a
+  record of another benchmark or cut short by a kill is ignored."""
+  done = {}
+  if path is None or not path.is_file():
+    return done
+  for line in path.read_text(encoding="utf-8").splitlines():
+    try:
+      rec = json.loads(line)
+    except json.JSONDecodeError:
+      continue
+    if rec.get("key") != key:
+      continue
+    done[rec["repeat"], rec["batch"]] = [
+        runner.BatchResult(**{**r, "rows": [runner.RowResult(**row)
+                                           for row in r["rows"]]})
+        for r in rec["runs"]]
+  return done
+
+
+def _append_journal(path: pathlib.Path, key: str, rep: int, i: int,
+                    results: Sequence[runner.BatchResult]):
+  rec = dict(key=key, repeat=rep, batch=i,
+             runs=[dataclasses.asdict(r) for r in results])
+  line = json.dumps(rec) + "\n"
+  with open(path, "ab+") as f:
+    if f.seek(0, 2):  # a kill mid-write leaves a torn last line: end it
+      f.seek(-1, 2)
+      if f.read(1) != b"\n":
+        line = "\n" + line
+    f.write(line.encode())
+
+
 def run(model: Model, methods_: Sequence[methods.MethodSpec | tuple],
         prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
         sampling: SamplingParams, batch_size: int = 1, repeats: int = 1,
         seed: int = 0, dataset: str = "?",
         on_result: Optional[Callable[[dict], None]] = None,
-        progress: bool = True) -> list[dict]:
+        journal=None, progress: bool = True) -> list[dict]:
   """Benchmarks each method against AR on ``prompts``; one dict per method.
 
   ``methods_`` holds ``MethodSpec``s or already built ``(spec, drafter,
@@ -151,6 +201,9 @@ def run(model: Model, methods_: Sequence[methods.MethodSpec | tuple],
 
   ``on_result`` is called with each method's dict as soon as it is done, so
   a long run keeps what it measured if it is interrupted later.
+
+  ``journal``: a JSONL file of finished batches (module doc); batches found
+  there for this exact benchmark are read back, not decoded again.
   """
   from tqdm import tqdm
   built = [m if isinstance(m, tuple) else (m, *methods.build(model, m))
@@ -159,6 +212,10 @@ def run(model: Model, methods_: Sequence[methods.MethodSpec | tuple],
   batches = [list(prompts[i:i + batch_size])
              for i in range(0, len(prompts), batch_size)]
   kw = dict(max_new_tokens=max_new_tokens, sampling=sampling)
+  journal = pathlib.Path(journal) if journal else None
+  key = _journal_key(model, specs, prompts, batch_size=batch_size,
+                     repeats=repeats, seed=seed, **kw)
+  done = _read_journal(journal, key)
   ar_tallies, tallies = [], {s: [] for s in specs}
   total = repeats * len(batches) * (1 + len(specs))
   bar = tqdm(total=total, desc="bench", unit="run", disable=not progress)
@@ -166,14 +223,23 @@ def run(model: Model, methods_: Sequence[methods.MethodSpec | tuple],
     ar = _Tally()
     per = {s: _Tally() for s in specs}
     for i, chunk in enumerate(batches):
-      sd = seed + 1000 * rep + i
-      ar.add(runner.generate_ids(model, chunk, seed=sd, **kw))
-      bar.update()
-      for spec, drafter, dparams in built:
-        per[spec].add(runner.generate_ids(
-            model, chunk, seed=sd, drafter=drafter, num_draft=spec.k,
-            drafter_params=dparams, **kw))
+      batch_runs = done.get((rep, i))
+      if batch_runs is None:
+        sd = seed + 1000 * rep + i
+        batch_runs = [runner.generate_ids(model, chunk, seed=sd, **kw)]
         bar.update()
+        for spec, drafter, dparams in built:
+          batch_runs.append(runner.generate_ids(
+              model, chunk, seed=sd, drafter=drafter, num_draft=spec.k,
+              drafter_params=dparams, **kw))
+          bar.update()
+        if journal:
+          _append_journal(journal, key, rep, i, batch_runs)
+      else:
+        bar.update(len(batch_runs))
+      ar.add(batch_runs[0])
+      for spec, res in zip(specs, batch_runs[1:]):
+        per[spec].add(res)
       bar.set_postfix(ar_tok_s=f"{ar.new_tokens / ar.wall_s:.1f}")
     ar_tallies.append(ar)
     for s in specs:

@@ -58,6 +58,9 @@ def _build_parser() -> argparse.ArgumentParser:
                  help="timed passes over the prompts (median speedup)")
   b.add_argument("--json", metavar="OUT",
                  help="also append one JSON line per method to OUT")
+  b.add_argument("--journal", metavar="FILE",
+                 help="keep each finished batch in FILE; rerunning the same "
+                      "command resumes after the last one")
 
   t = sub.add_parser("tune", help="recommend a method and K for a workload")
   t.add_argument("--model", default="smollm2-135m",
@@ -302,16 +305,17 @@ def cmd_bench(args) -> int:
       with open(args.json, "a", encoding="utf-8") as f:
         f.write(line + "\n")
 
-  if args.json:
-    try:
-      open(args.json, "a", encoding="utf-8").close()
-    except OSError as e:
-      raise UsageError(f"cannot write --json {args.json!r}: {e.strerror}"
-                       ) from None
+  for flag, path in (("--json", args.json), ("--journal", args.journal)):
+    if path:
+      try:
+        open(path, "a", encoding="utf-8").close()
+      except OSError as e:
+        raise UsageError(f"cannot write {flag} {path!r}: {e.strerror}"
+                         ) from None
   bench.run(model, built, ids, max_new_tokens=args.max_new_tokens,
             sampling=sampling, batch_size=args.batch_size,
             repeats=args.repeats, seed=args.seed, dataset=args.dataset,
-            on_result=emit)
+            on_result=emit, journal=args.journal)
   return 0
 
 

@@ -43,3 +43,37 @@ def test_bench_contract_on_smollm2(smollm2):
   assert all(v >= 0 for v in split.values())
   assert sum(split.values()) >= 0.999  # == 1 unless rest was clipped at 0
   assert res["speedup"] > 0 and res["predicted_speedup"] > 0
+
+
+def test_journal_resumes_a_cut_run(smollm2, tmp_path, monkeypatch):
+  """A benchmark rerun with its journal decodes only the batches missing
+  from it and reports what an uninterrupted run reports (everything but
+  timings); a torn last line is skipped, and a journal of other settings
+  is never read back."""
+  from specjax import runner
+  prompts = [smollm2.tokenizer.encode_chat(p) for p in
+             ("Repeat after me: one two three, one two three.",
+              "Count from 1 to 12, separated by commas.")]
+  spec = methods.MethodSpec("ngram", num_draft=3)
+  calls = []
+  real = runner.generate_ids
+  monkeypatch.setattr(runner, "generate_ids",
+                      lambda *a, **kw: calls.append(1) or real(*a, **kw))
+  journal = tmp_path / "bench.journal"
+  go = lambda n=16: bench.run(smollm2, [spec], prompts, max_new_tokens=n,
+                              sampling=SamplingParams(), journal=journal,
+                              progress=False)[0]
+  full = go()
+  assert len(calls) == 4  # 2 batches x (AR + n-gram)
+  first, _ = journal.read_text().splitlines()
+  journal.write_text(first + "\n" + '{"key": "cut sh')
+  calls.clear()
+  resumed = go()
+  assert len(calls) == 2  # only the second batch ran again
+  same = ("tau", "acceptance_per_position", "accepted_length_histogram",
+          "new_tokens", "greedy_identical", "target_forwards")
+  assert {k: resumed[k] for k in same} == {k: full[k] for k in same}
+  assert len(journal.read_text().splitlines()) == 3
+  calls.clear()
+  go(n=12)
+  assert len(calls) == 4  # other settings: nothing read back

@@ -88,6 +88,8 @@ GEN = ("generate", "--max-new-tokens", "4")
     (("bench", "--repeats", "0"), ["--repeats"]),
     (("bench", "--json", "/no/such/dir/out.jsonl", "--num-prompts", "1"),
      ["cannot write --json"]),
+    (("bench", "--journal", "/no/such/dir/j", "--num-prompts", "1"),
+     ["cannot write --journal"]),
     (("tune", "--task", "poetry"), ["unknown task 'poetry'"]),
     (("tune", "--batch-size", "0"), ["batch size"]),
     (("tune", "--latency-target", "-3"), ["latency target"]),
