@@ -99,6 +99,8 @@ def test_feature_cache_equals_on_the_fly_and_resumes(tiny_model, tmp_path):
       np.testing.assert_array_equal(got.target_in_vocab, want.target_in_vocab)
   build("killed", stop_after=1)
   assert not efeat.is_complete(tmp_path / "killed")
+  meta = json.loads((tmp_path / "killed" / "meta.json").read_text())
+  assert meta["done"] == 2  # the resume starts mid-way
   resumed = build("killed")
   full = build("bfloat16")
   assert efeat.is_complete(tmp_path / "killed")

@@ -16,9 +16,10 @@ token (a tenth of the target forward). Size is bounded and known up front:
 8 significant bits, as a bf16 training run on an accelerator would see them;
 ``dtype=float32`` keeps them exact (tests).
 
-Resumable: examples are written in chunks and ``meta.json`` records how many
-are done (and the target seconds spent, the cache's share of a run's compute); a cache whose fingerprint (model, taps, Vd ids, example ids,
-dtype) differs is rebuilt from scratch, never silently reused.
+Resumable: each batch is written and fsynced before ``meta.json`` records
+how many examples are done (and the target seconds spent, the cache's share
+of a run's compute); a cache whose fingerprint (model, taps, Vd ids, example
+ids, dtype) differs is rebuilt from scratch, never silently reused.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
+import os
 import pathlib
 import time
 from typing import Any
@@ -69,14 +72,20 @@ def _fingerprint(model_name: str, hcfg: HeadConfig, vocab: DraftVocab,
   return h.hexdigest()[:16]
 
 
-def _maps(path: pathlib.Path, n: int, T: int, hcfg: HeadConfig, dtype: str,
-          mode: str) -> FeatureCache:
+def _layout(T: int, hcfg: HeadConfig, dtype: str) -> dict:
+  """``{file: (dtype, shape of one example)}``."""
   D, F = hcfg.target_dim, len(hcfg.taps) * hcfg.target_dim
-  mm = lambda name, dt, shape: np.memmap(path / name, dtype=dt, mode=mode,
-                                         shape=shape)
-  return FeatureCache(taps=mm("taps.bin", _DTYPES[dtype], (n, T, F)),
-                      hidden=mm("hidden.bin", _DTYPES[dtype], (n, T, D)),
-                      in_vocab=mm("in_vocab.bin", np.bool_, (n, T)))
+  dt = np.dtype(_DTYPES[dtype])
+  return {"taps.bin": (dt, (T, F)), "hidden.bin": (dt, (T, D)),
+          "in_vocab.bin": (np.dtype(np.bool_), (T,))}
+
+
+def _maps(path: pathlib.Path, n: int, T: int, hcfg: HeadConfig,
+          dtype: str) -> FeatureCache:
+  return FeatureCache(*(np.memmap(path / name, dtype=dt, mode="r",
+                                  shape=(n, *shape))
+                        for name, (dt, shape) in _layout(T, hcfg, dtype)
+                        .items()))
 
 
 _outputs = jax.jit(target_outputs, static_argnums=(1, 2))
@@ -94,6 +103,7 @@ def build(model: Any, model_name: str, hcfg: HeadConfig, vocab: DraftVocab,
   meta_path = path / "meta.json"
   fp = _fingerprint(model_name, hcfg, vocab, ex, dtype)
   meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+  layout = _layout(T, hcfg, dtype)
   if meta.get("fingerprint") != fp:
     path.mkdir(parents=True, exist_ok=True)
     for f in path.glob("*.bin"):
@@ -101,31 +111,37 @@ def build(model: Any, model_name: str, hcfg: HeadConfig, vocab: DraftVocab,
     meta = dict(fingerprint=fp, examples=n, tokens_per_example=T,
                 dtype=dtype, bytes=n * T * bytes_per_token(hcfg, dtype),
                 done=0, seconds=0.0)
-    _maps(path, n, T, hcfg, dtype, "w+")  # allocates the files
+    for name, (dt, shape) in layout.items():  # sparse until written
+      with open(path / name, "wb") as f:
+        f.truncate(n * dt.itemsize * math.prod(shape))
     meta_path.write_text(json.dumps(meta, indent=1))
-  maps = _maps(path, n, T, hcfg, dtype, "r+")
   tcfg, tp = model.config, model.params
   starts = range(meta["done"], n, batch_size)
   bar = tqdm(starts, desc="target features", unit="batch",
              disable=not progress or not len(starts))
-  for i, lo in enumerate(bar):
-    if stop_after is not None and i == stop_after:
-      break
-    t0 = time.perf_counter()
-    hi = min(lo + batch_size, n)
-    ids = np.zeros((batch_size, T), np.int32)  # a ragged last batch is
-    ids[:hi - lo] = ex.ids[lo:hi]              # padded: one compile
-    taps, hidden, in_vocab = jax.device_get(
-        _outputs(tp, tcfg, hcfg, vocab, ids))
-    maps.taps[lo:hi] = taps[:hi - lo]
-    maps.hidden[lo:hi] = hidden[:hi - lo]
-    maps.in_vocab[lo:hi] = in_vocab[:hi - lo]
-    for m in dataclasses.astuple(maps):
-      m.flush()
-    meta["done"] = hi  # after the flush: a kill never records unwritten rows
-    meta["seconds"] = round(meta["seconds"] + time.perf_counter() - t0, 2)
-    meta_path.write_text(json.dumps(meta, indent=1))
-  return _maps(path, n, T, hcfg, dtype, "r")
+  fds = [os.open(path / name, os.O_WRONLY) for name in layout]
+  try:
+    for i, lo in enumerate(bar):
+      if stop_after is not None and i == stop_after:
+        break
+      t0 = time.perf_counter()
+      hi = min(lo + batch_size, n)
+      ids = np.zeros((batch_size, T), np.int32)  # a ragged last batch is
+      ids[:hi - lo] = ex.ids[lo:hi]              # padded: one compile
+      outs = jax.device_get(_outputs(tp, tcfg, hcfg, vocab, ids))
+      # Plain writes + fsync, not a writable memmap: msync of a GB-sized map
+      # cost seconds per batch here (more than the target forward).
+      for fd, (dt, shape), a in zip(fds, layout.values(), outs):
+        os.pwrite(fd, np.ascontiguousarray(a[:hi - lo], dt).tobytes(),
+                  lo * dt.itemsize * math.prod(shape))
+        os.fsync(fd)
+      meta["done"] = hi  # after the fsync: a kill never records unwritten rows
+      meta["seconds"] = round(meta["seconds"] + time.perf_counter() - t0, 2)
+      meta_path.write_text(json.dumps(meta, indent=1))
+  finally:
+    for fd in fds:
+      os.close(fd)
+  return _maps(path, n, T, hcfg, dtype)
 
 
 def is_complete(path) -> bool:
