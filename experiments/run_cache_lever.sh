@@ -12,7 +12,9 @@
 #   2 epochs (S = E):      E = 204, S = 204
 #   4 epochs (S = 2E):     E = 124, S = 248
 # Same data order seed, schedule (steps=2000 stopped early, as the baseline)
-# and TTT 3. Then scores each on the 64 held-out conversations.
+# and TTT 3. Then scores each on the 64 held-out conversations. The builds
+# measured 1.7-2.0 s per example at c7cb9f3 (a memmap writer, since replaced);
+# docs/RESULTS.md compares the measured seconds, not these estimates.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SJ=${SJ:-.venv/bin/specjax}
