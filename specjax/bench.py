@@ -147,12 +147,17 @@ def git_sha() -> str:
     return "unknown"
 
 
-def _journal_key(model: Model, specs, prompts, **settings) -> str:
-  """What a journal record is valid for: same model, prompts and settings."""
-  blob = json.dumps([model.config.name, [list(map(int, p)) for p in prompts],
-                     [dataclasses.asdict(s) for s in specs], settings],
-                    sort_keys=True, default=str)
-  return hashlib.sha256(blob.encode()).hexdigest()[:16]
+def _journal_key(model: Model, built, prompts, **settings) -> str:
+  """What a journal record is valid for: the same model, prompts, settings
+  and drafters, down to the bytes of their parameters (a retrained head
+  under the same file name is a new benchmark)."""
+  h = hashlib.sha256(json.dumps(
+      [model.config.name, [list(map(int, p)) for p in prompts],
+       [[dataclasses.asdict(s), repr(d)] for s, d, _ in built], settings],
+      sort_keys=True, default=str).encode())
+  for leaf in jax.tree.leaves([p for _, _, p in built]):
+    h.update(np.ascontiguousarray(leaf).tobytes())
+  return h.hexdigest()[:16]
 
 
 def _read_journal(path: Optional[pathlib.Path], key: str) -> dict:
@@ -213,7 +218,7 @@ def run(model: Model, methods_: Sequence[methods.MethodSpec | tuple],
              for i in range(0, len(prompts), batch_size)]
   kw = dict(max_new_tokens=max_new_tokens, sampling=sampling)
   journal = pathlib.Path(journal) if journal else None
-  key = _journal_key(model, specs, prompts, batch_size=batch_size,
+  key = _journal_key(model, built, prompts, batch_size=batch_size,
                      repeats=repeats, seed=seed, **kw)
   done = _read_journal(journal, key)
   ar_tallies, tallies = [], {s: [] for s in specs}
