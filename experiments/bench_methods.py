@@ -49,6 +49,9 @@ def main(argv=None):
   ap.add_argument("--journal", default=None,
                   help="finished batches go here; a rerun resumes after them")
   args = ap.parse_args(argv)
+  for path in (args.json, args.journal):  # fail now, not after an hour
+    if path:
+      open(path, "a", encoding="utf-8").close()
 
   from specjax import bench, data, methods
   from specjax.models.registry import load_model

@@ -9,7 +9,7 @@ features in ``workdir/features``), and the head trains 4 epochs over them
 ``experiments/run_cache_lever.sh`` that trade -- 4 epochs over fewer
 examples, each step half the cost of an online one -- reached the held-out τ
 an online run reaches in ~1.6x the time (docs/RESULTS.md). Sized to ~2 h on
-this 2-core CPU: the cache ~1.8 s per example, a TTT-3 step ~3.3 s, a TTT-7
+this 2-core CPU: the cache ~1.5 s per example, a TTT-3 step ~3.3 s, a TTT-7
 step ~6.5 s. Resumes from the newest checkpoint (and a partial cache).
 """
 

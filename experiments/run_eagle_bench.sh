@@ -7,8 +7,9 @@
 # Hours on the 2-core CPU (~40 s per MT-bench prompt for the T = 0 set), so
 # each set keeps a journal in $J: rerun the script after an interruption and
 # every set resumes after its last finished prompt; a finished set is marked
-# $J/SET.done and skipped. Appends one JSON line per method and set to $OUT. N_CHAT / N_CODE cut the prompt counts (a new count is a new
-# benchmark: its journal starts empty).
+# $J/SET.done and skipped. N_CHAT / N_CODE cut the prompt counts; the count
+# is part of the set's name, so a cut run never stands in for a full one.
+# Appends one JSON line per method and set to $OUT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-experiments/results/bench_eagle_full.jsonl}
@@ -19,7 +20,7 @@ N_CHAT=${N_CHAT:+--num-prompts $N_CHAT}
 N_CODE=${N_CODE:+--num-prompts $N_CODE}
 # set NAME DATASET TEMPERATURE N_ARG METHOD...
 set_() {
-  local name=$1 dataset=$2 temp=$3 n=$4; shift 4
+  local name=$1${4:+_n${4##* }} dataset=$2 temp=$3 n=$4; shift 4
   [[ -e "$J/$name.done" ]] && { echo "$name: done, skipped"; return; }
   $PY experiments/bench_methods.py --json "$OUT" --journal "$J/$name.jsonl" \
     --dataset "$dataset" $n --temperature "$temp" "$@"

@@ -148,11 +148,12 @@ def git_sha() -> str:
 
 
 def _journal_key(model: Model, built, prompts, **settings) -> str:
-  """What a journal record is valid for: the same model, prompts, settings
-  and drafters, down to the bytes of their parameters (a retrained head
-  under the same file name is a new benchmark)."""
+  """What a journal record is valid for: the same model, backend, prompts,
+  settings and drafters, down to the bytes of the drafters' parameters (a
+  retrained head under the same file name is a new benchmark)."""
   h = hashlib.sha256(json.dumps(
-      [model.config.name, [list(map(int, p)) for p in prompts],
+      [repr(model.config), jax.default_backend(),
+       [list(map(int, p)) for p in prompts],
        [[dataclasses.asdict(s), repr(d)] for s, d, _ in built], settings],
       sort_keys=True, default=str).encode())
   for leaf in jax.tree.leaves([p for _, _, p in built]):
@@ -160,29 +161,30 @@ def _journal_key(model: Model, built, prompts, **settings) -> str:
   return h.hexdigest()[:16]
 
 
-def _read_journal(path: Optional[pathlib.Path], key: str) -> dict:
+def _read_journal(path: Optional[pathlib.Path], key: str, runs: int) -> dict:
   """``{(repeat, batch): [BatchResult of AR, then of each method]}``; a
-  record of another benchmark or cut short by a kill is ignored."""
+  record of another benchmark, cut short by a kill or of another layout is
+  ignored."""
   done = {}
   if path is None or not path.is_file():
     return done
   for line in path.read_text(encoding="utf-8").splitlines():
     try:
       rec = json.loads(line)
-    except json.JSONDecodeError:
+      if rec.get("key") != key or len(rec["runs"]) != runs:
+        continue
+      done[rec["repeat"], rec["batch"]] = [
+          runner.BatchResult(**{**r, "rows": [runner.RowResult(**row)
+                                             for row in r["rows"]]})
+          for r in rec["runs"]]
+    except (json.JSONDecodeError, AttributeError, KeyError, TypeError):
       continue
-    if rec.get("key") != key:
-      continue
-    done[rec["repeat"], rec["batch"]] = [
-        runner.BatchResult(**{**r, "rows": [runner.RowResult(**row)
-                                           for row in r["rows"]]})
-        for r in rec["runs"]]
   return done
 
 
 def _append_journal(path: pathlib.Path, key: str, rep: int, i: int,
                     results: Sequence[runner.BatchResult]):
-  rec = dict(key=key, repeat=rep, batch=i,
+  rec = dict(key=key, repeat=rep, batch=i, git_sha=git_sha(),
              runs=[dataclasses.asdict(r) for r in results])
   line = json.dumps(rec) + "\n"
   with open(path, "ab+") as f:
@@ -218,9 +220,9 @@ def run(model: Model, methods_: Sequence[methods.MethodSpec | tuple],
              for i in range(0, len(prompts), batch_size)]
   kw = dict(max_new_tokens=max_new_tokens, sampling=sampling)
   journal = pathlib.Path(journal) if journal else None
-  key = _journal_key(model, built, prompts, batch_size=batch_size,
-                     repeats=repeats, seed=seed, **kw)
-  done = _read_journal(journal, key)
+  key = journal and _journal_key(model, built, prompts, batch_size=batch_size,
+                                 seed=seed, **kw)
+  done = _read_journal(journal, key, 1 + len(built))
   ar_tallies, tallies = [], {s: [] for s in specs}
   total = repeats * len(batches) * (1 + len(specs))
   bar = tqdm(total=total, desc="bench", unit="run", disable=not progress)

@@ -88,6 +88,13 @@ def _maps(path: pathlib.Path, n: int, T: int, hcfg: HeadConfig,
                         .items()))
 
 
+def _write_meta(path: pathlib.Path, meta: dict):
+  """Atomically: a kill mid-write leaves the old counter, never torn JSON."""
+  tmp = path.with_suffix(".tmp")
+  tmp.write_text(json.dumps(meta, indent=1))
+  os.replace(tmp, path)
+
+
 _outputs = jax.jit(target_outputs, static_argnums=(1, 2))
 
 
@@ -114,7 +121,7 @@ def build(model: Any, model_name: str, hcfg: HeadConfig, vocab: DraftVocab,
     for name, (dt, shape) in layout.items():  # sparse until written
       with open(path / name, "wb") as f:
         f.truncate(n * dt.itemsize * math.prod(shape))
-    meta_path.write_text(json.dumps(meta, indent=1))
+    _write_meta(meta_path, meta)
   tcfg, tp = model.config, model.params
   starts = range(meta["done"], n, batch_size)
   bar = tqdm(starts, desc="target features", unit="batch",
@@ -132,12 +139,14 @@ def build(model: Any, model_name: str, hcfg: HeadConfig, vocab: DraftVocab,
       # Plain writes + fsync, not a writable memmap: msync of a GB-sized map
       # cost seconds per batch here (more than the target forward).
       for fd, (dt, shape), a in zip(fds, layout.values(), outs):
-        os.pwrite(fd, np.ascontiguousarray(a[:hi - lo], dt).tobytes(),
-                  lo * dt.itemsize * math.prod(shape))
+        data = np.ascontiguousarray(a[:hi - lo], dt).tobytes()
+        if os.pwrite(fd, data, lo * dt.itemsize * math.prod(shape)) != len(
+            data):
+          raise OSError(f"short write to the feature cache in {path}")
         os.fsync(fd)
       meta["done"] = hi  # after the fsync: a kill never records unwritten rows
       meta["seconds"] = round(meta["seconds"] + time.perf_counter() - t0, 2)
-      meta_path.write_text(json.dumps(meta, indent=1))
+      _write_meta(meta_path, meta)
   finally:
     for fd in fds:
       os.close(fd)
