@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 import jinja2
 from typing import Optional, Sequence
@@ -83,6 +84,9 @@ def _build_parser() -> argparse.ArgumentParser:
   tr.add_argument("--stop-after", type=int, default=None, metavar="STEP",
                   help="stop at this step (the schedule still spans all "
                   "steps); rerun without it to go on")
+  tr.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                  help="stop after the first step that ends this long after "
+                  "the start, with a checkpoint there; rerun to go on")
 
   d = sub.add_parser("demo", help="SmolLM2 decoding demo (the README's main job)")
   d.add_argument("--max-new-tokens", type=int, default=96)
@@ -362,8 +366,12 @@ def cmd_train(args) -> int:
     raise UsageError(str(e)) from None
   if args.stop_after is not None and args.stop_after < 1:
     raise UsageError(f"--stop-after must be >= 1, got {args.stop_after}")
+  if args.time_limit is not None and not args.time_limit > 0:
+    raise UsageError(f"--time-limit must be > 0 seconds, got {args.time_limit}")
+  deadline = None if args.time_limit is None else time.time() + args.time_limit
   model = _load(cfg.model)  # a bad model fails here, before any data work
-  run = train.train(cfg, args.workdir, model=model, stop_after=args.stop_after)
+  run = train.train(cfg, args.workdir, model=model, stop_after=args.stop_after,
+                    deadline=deadline)
   print(json.dumps(dict(step=run.step, workdir=args.workdir,
                         last_loss=run.losses.get(run.step - 1))))
   return 0

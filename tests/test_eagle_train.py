@@ -70,6 +70,28 @@ def test_resume_after_interruption_matches_uninterrupted(tiny_model,
   assert full.losses[5] < full.losses[0]
 
 
+def test_deadline_stops_with_a_checkpoint_and_resumes(tiny_model, tmp_path):
+  """Invariant: a run past its deadline stops after the step in flight with
+  a checkpoint at that step (unlike a kill, which loses the steps since the
+  last one), logs that step, and a rerun continues with the uninterrupted
+  run's losses."""
+  ex = _examples()
+  full = etrain.train(CFG, tmp_path / "a", model=tiny_model, examples=ex,
+                      progress=False)
+  cut = etrain.train(CFG, tmp_path / "b", model=tiny_model, examples=ex,
+                     deadline=0.0, progress=False)
+  assert cut.step == 1 and sorted(cut.losses) == [0]
+  assert etrain.checkpoints(tmp_path / "b").latest_step() == 1
+  rest = etrain.train(CFG, tmp_path / "b", model=tiny_model, examples=ex,
+                      progress=False)
+  assert sorted(rest.losses) == [1, 2, 3, 4, 5]
+  for s in range(1, 6):
+    np.testing.assert_allclose(rest.losses[s], full.losses[s], rtol=1e-6)
+  steps = [json.loads(l)["step"] for l in
+           (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+  assert steps == [1, 2, 3, 4, 5, 6]
+
+
 def test_feature_cache_equals_on_the_fly_and_resumes(tiny_model, tmp_path):
   """Invariants: (1) a float32 cache gives the batch the target gives on
   the fly (argmax-in-Vd equal; taps, and Vd logits recomputed from the

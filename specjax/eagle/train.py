@@ -59,6 +59,11 @@ class TrainConfig:
       split; N > 0 runs it once over the first N training examples, caches
       its outputs in ``workdir/features`` (``eagle.features``: bf16, 4.6 KB
       per token slot for SmolLM2) and trains epochs over those N.
+    rows_bucket: the LM head runs on a batch's assistant positions rounded
+      up to ``batch_size * rows_bucket`` rows (``ttt.loss_rows``); each
+      distinct count is one compile. ``max_len`` means all rows, one
+      compile: the choice where the LM head is cheap and compiles are not
+      (GPU).
   """
   model: str = "smollm2-135m"
   variant: str = "eagle3"
@@ -85,6 +90,7 @@ class TrainConfig:
   regen_temperature: float = 0.7
   regen_max_new_tokens: int = 384
   feature_cache: int = 0
+  rows_bucket: int = 64
 
   def ttt_at(self, step: int) -> int:
     warm = step < int(self.ttt_warm_fraction * self.steps)
@@ -224,11 +230,14 @@ def restore_params(workdir, step: int, s: Setup, cfg: TrainConfig):
 
 def train(cfg: TrainConfig, workdir: str, *, model=None,
           examples: Optional[edata.Examples] = None, stop_after: Optional[int]
-          = None, progress: bool = True) -> Run:
+          = None, deadline: Optional[float] = None, progress: bool = True
+          ) -> Run:
   """Trains (or resumes) a head; see the module doc.
 
   ``model``/``examples`` override loading (tests); ``stop_after`` ends the
   process-level run early at that step, as an interruption would.
+  ``deadline`` (a ``time.time()``) ends it after the first step that
+  finishes past it, with a checkpoint there, so a rerun goes on from it.
   """
   import orbax.checkpoint as ocp
   from tqdm.auto import tqdm
@@ -285,27 +294,36 @@ def train(cfg: TrainConfig, workdir: str, *, model=None,
     ex = train_ex.take(idx)
     batch = get_batch(idx, ex)
     # One compile per (TTT length, bucket of assistant positions).
-    key = (cfg.ttt_at(step), loss_rows(ex.mask, cfg.batch_size * 64))
+    key = (cfg.ttt_at(step), loss_rows(ex.mask,
+                                       cfg.batch_size * cfg.rows_bucket))
     if key not in steps:
       steps[key] = make_step(*key)
     K = key[0]
     state, loss, m, gnorm = steps[key](state, batch, tparams.embed)
     losses[step] = float(loss)
     tokens_seen += int(ex.lengths.sum())
+    timed_out = (deadline is not None and time.time() >= deadline
+                 and step + 1 < end)
+    if timed_out:
+      end = step + 1
     if (step + 1) % cfg.log_every == 0 or step + 1 == end:
       acc = [round(float(a), 4) for a in m["acc"]]
       rec = dict(step=step + 1, loss=round(float(loss), 5), acc=acc,
                  ttt=K, grad_norm=round(float(gnorm), 4),
                  tokens_per_s=round(tokens_seen / (time.perf_counter() - t0),
-                                    1))
+                                    1),
+                 elapsed_s=round(time.perf_counter() - t0, 2))
       with open(metrics_path, "a") as f:
         f.write(json.dumps(rec) + "\n")
       bar.set_postfix(loss=f"{float(loss):.3f}",
                       acc="/".join(f"{a:.2f}" for a in acc[:3]))
-    if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+    if ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps
+        or timed_out):
       mngr.save(step + 1, args=ocp.args.StandardSave(state))
       if step + 1 < end:  # so that an interrupted run still leaves a head
         save_head(work / "head.npz", hcfg, state["params"], vocab.ids)
+    if step + 1 == end:
+      break
   mngr.wait_until_finished()
   # The head as one portable file, usable by `--method eagle3 --head`.
   save_head(work / "head.npz", hcfg, state["params"], vocab.ids)

