@@ -292,24 +292,24 @@ def cmd_train(args) -> int:
   t_trained = time.time()
   s = dataclasses.replace(etrain.setup(cfg, model=model, examples=train_ex,
                                        progress=False), heldout_ex=heldout)
-  score = evaluate.heldout_accuracy(s, run.params)
-  name = f"eagle3-gpu-{run.step}"
-  head = out / f"{name}.npz"
+  # The head and log go to $OUT before scoring, so a command cut at its
+  # limit still returns the trained head.
+  head = out / f"eagle3-gpu-{run.step}.npz"
   export.save_head(head, s.hcfg, run.params, s.vocab.ids)
   pieces = split_file(head, OUT_FILE_LIMIT - MIB, lambda i: out)
-  head_sha = sha256(head)
-  head.unlink()
   result = dict(run="eagle3-gpu", variant=cfg.variant, ttt=cfg.ttt_steps,
                 step=run.step,
                 tokens=evaluate.tokens_seen(cfg, s.train_ex, run.step),
-                **score, head=dict(name=head.name, sha256=head_sha,
-                                   parts=pieces),
+                head=dict(name=head.name, sha256=sha256(head), parts=pieces),
                 plan=plan, config=dataclasses.asdict(cfg),
                 device=str(jax.devices()[0]),
-                seconds=dict(total=round(time.time() - t_start, 1),
-                             training=round(t_trained - t_start, 1)))
-  (out / "result.json").write_text(json.dumps(result, indent=1))
+                seconds=dict(training=round(t_trained - t_start, 1)))
+  head.unlink()
   (out / "metrics.jsonl").write_bytes((work / "metrics.jsonl").read_bytes())
+  (out / "result.json").write_text(json.dumps(result, indent=1))
+  result.update(evaluate.heldout_accuracy(s, run.params))
+  result["seconds"]["total"] = round(time.time() - t_start, 1)
+  (out / "result.json").write_text(json.dumps(result, indent=1))
   print(json.dumps({k: result[k] for k in
                     ("step", "tokens", "acc", "expected_tau", "seconds")}))
   return 0
@@ -325,9 +325,13 @@ def cmd_unpack(args) -> int:
                     pathlib.Path(args.heads) / head["name"], head["sha256"])
   row = {k: result[k] for k in ("run", "variant", "ttt", "step", "tokens",
                                 "acc", "coverage", "positions",
-                                "expected_tau")}
-  with open(args.json, "a") as f:
-    f.write(json.dumps(row) + "\n")
+                                "expected_tau") if k in result}
+  if "expected_tau" in row:
+    with open(args.json, "a") as f:
+      f.write(json.dumps(row) + "\n")
+  else:
+    print("gpu_kit: the device command ended before the held-out score; "
+          "only the head and its log came back", file=sys.stderr)
   pathlib.Path(args.metrics).write_bytes((src / "metrics.jsonl").read_bytes())
   print(json.dumps(dict(head=str(dest), **row)))
   return 0

@@ -143,6 +143,24 @@ def jax_leaves(tree):
   return jax.tree.leaves(tree)
 
 
+def test_tokens_seen_counts_only_the_cached_rows():
+  """Invariant: a run over cached features draws its batches from the first
+  ``feature_cache`` training rows, and ``tokens_seen`` counts those (it once
+  counted rows of the whole split)."""
+  from specjax.eagle.evaluate import tokens_seen
+  ex = _examples()
+  ex = edata.Examples(ex.ids, ex.mask, np.arange(1, 11, dtype=np.int32))
+  train_ex, _ = edata.split(ex, CFG.heldout, CFG.seed)
+  cfg = dataclasses.replace(CFG, feature_cache=3)
+  first3 = train_ex.lengths[:3]
+  want = sum(int(first3[edata.batch_indices(i, 3, cfg.batch_size,
+                                            cfg.seed)].sum())
+             for i in range(4))
+  assert tokens_seen(cfg, train_ex, 4) == want
+  assert tokens_seen(dataclasses.replace(cfg, feature_cache=0), train_ex,
+                     4) != want
+
+
 def test_override_types_and_errors():
   """Invariant: --set values are typed by the field; bad keys/values name
   the problem."""

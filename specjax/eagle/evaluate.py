@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from specjax.eagle import data as edata
-from specjax.eagle.train import Setup, TrainConfig
+from specjax.eagle.train import Setup, TrainConfig, trained_examples
 from specjax.eagle.ttt import ttt_loss
 
 
@@ -66,6 +66,8 @@ def heldout_accuracy(s: Setup, params, num_steps: int = 7,
 
 def tokens_seen(cfg: TrainConfig, train_ex: edata.Examples, step: int) -> int:
   """Tokens the first ``step`` optimizer steps trained on (data order is a
-  function of the step, so this needs no log)."""
+  function of the step, so this needs no log), repeats counted: a run over
+  cached features cycles epochs over its first ``feature_cache`` rows."""
+  train_ex = trained_examples(cfg, train_ex)
   return int(sum(train_ex.lengths[edata.batch_indices(
       i, len(train_ex), cfg.batch_size, cfg.seed)].sum() for i in range(step)))

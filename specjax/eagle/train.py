@@ -209,6 +209,15 @@ def setup(cfg: TrainConfig, *, model=None,
   return Setup(model, train_ex, heldout_ex, vocab, hcfg, params)
 
 
+def trained_examples(cfg: TrainConfig, train_ex: edata.Examples
+                     ) -> edata.Examples:
+  """The rows the run's batches are drawn from: the whole training split,
+  or with ``feature_cache = N`` its first N (the cached ones)."""
+  if not cfg.feature_cache:
+    return train_ex
+  return train_ex.take(np.arange(min(cfg.feature_cache, len(train_ex))))
+
+
 def checkpoints(workdir) -> "ocp.CheckpointManager":
   """The run's orbax manager (``workdir/ckpt``), for reading saved steps."""
   import orbax.checkpoint as ocp
@@ -262,7 +271,7 @@ def train(cfg: TrainConfig, workdir: str, *, model=None,
   _truncate_metrics(metrics_path, start)
   if cfg.feature_cache:
     from specjax.eagle import features as efeat
-    train_ex = train_ex.take(np.arange(min(cfg.feature_cache, len(train_ex))))
+    train_ex = trained_examples(cfg, train_ex)
     cache = efeat.build(s.model, cfg.model, hcfg, vocab, train_ex,
                         work / "features", progress=progress)
     out_VdD = draft_rows(tparams, vocab)
