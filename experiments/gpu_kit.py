@@ -18,8 +18,10 @@ So the run travels as a kit:
    for the next call; the machine goes back after 30 s idle, so make the
    calls back to back.
 3. Device, call N: carry the last part, command ``python3
-   experiments/gpu_kit.py train --out $OUT``. It joins and verifies the
-   parts, installs the wheels into /tmp/site, measures the step time of
+   experiments/gpu_kit.py train --out $OUT --budget B`` with ``timeout_s``
+   B + 40, B at most 540 and a minute under the device time left (a command
+   that outlasts the session's time returns nothing). It joins and verifies the
+   parts, installs the wheels into a scratch site folder, measures the step time of
    both TTT lengths, sizes ``steps`` so the run ends inside ``--budget``
    seconds (and stops at a deadline if the estimate was off), scores the
    held-out set at K = 7, and writes the head (in parts: files come back at
@@ -117,19 +119,22 @@ def tree_bytes() -> int:
 
 # ---------------------------------------------------------------- pack (here)
 
-def kit_examples(num_conversations: int):
+def kit_examples(cfg):
   """(train, held-out) Examples: held-out = the CPU recipe's 64 held-out
   conversations (so scores compare with the CPU heads'), train = the first
-  ``num_conversations`` minus any row equal to a held-out one."""
+  ``cfg.num_conversations`` minus any row equal to a held-out one."""
   import numpy as np
   from specjax.eagle import data as edata
   from specjax.models.registry import load_model
   cpu = runpy.run_path(str(CPU_CONFIG))["config"]()
+  if (cfg.model, cfg.max_len) != (cpu.model, cpu.max_len):
+    raise ValueError("the GPU config must keep the CPU recipe's model and "
+                     "max_len, or its held-out score compares with nothing")
   tok = load_model(cpu.model).tokenizer
   _, heldout = edata.split(
       edata.sharegpt_examples(tok, cpu.num_conversations, cpu.max_len),
       cpu.heldout, cpu.seed)
-  ex = edata.sharegpt_examples(tok, num_conversations, cpu.max_len)
+  ex = edata.sharegpt_examples(tok, cfg.num_conversations, cpu.max_len)
   held = {r.tobytes() for r in heldout.ids}
   keep = np.array([r.tobytes() not in held for r in ex.ids])
   return ex.take(np.nonzero(keep)[0]), heldout
@@ -169,7 +174,7 @@ def cmd_pack(args) -> int:
   pins = [f"{w}=={md.version(w)}" for w in WHEELS]
   subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
                   "-d", str(stage), *pins], check=True)
-  train, heldout = kit_examples(cfg.num_conversations)
+  train, heldout = kit_examples(cfg)
   save_examples(stage / "examples.npz", train, heldout)
   tar = KIT / "kit.tar"
   with tarfile.open(tar, "w") as t:
@@ -196,7 +201,12 @@ def cmd_pack(args) -> int:
     print(f"device call {i}: carry=[\".devkit/p{i}\"] "
           "command='python3 experiments/gpu_kit.py check'")
   print(f"device call {n}: carry=[\".devkit/p{n}\"] command='PYTHONUNBUFFERED=1"
-        " python3 experiments/gpu_kit.py train --out $OUT' timeout_s=600")
+        " python3 experiments/gpu_kit.py train --out $OUT --budget B' "
+        "timeout_s=B+40")
+  print("Make the calls back to back (a warm machine goes back after 30 s "
+        "idle, and the parts with it). B: at most 540, and 60 s under the "
+        "device time `status` leaves before the last call; a command the "
+        "session's time cuts returns nothing. Then give_back.")
   return 0
 
 
@@ -204,23 +214,27 @@ def cmd_pack(args) -> int:
 
 def _manifest() -> tuple[dict, list[pathlib.Path]]:
   found = sorted(KIT.glob("p*/kit.tar.*"))
-  manifests = sorted(KIT.glob("p*/manifest.json"))
+  manifests = {m.read_text() for m in KIT.glob("p*/manifest.json")}
   if not manifests:
     raise ValueError("no .devkit/pI/manifest.json here: run `gpu_kit.py "
                      "pack` and carry its parts")
-  return json.loads(manifests[-1].read_text()), found
+  if len(manifests) > 1:  # parts of two packs: joining would fail later
+    raise ValueError("the .devkit parts here come from different packs")
+  return json.loads(manifests.pop()), found
 
 
 def cmd_check(args) -> int:
-  """Which parts this machine holds, each verified."""
+  """Which parts this machine holds, each verified; exit 1 if one is
+  damaged (carry it again before the last call)."""
   manifest, found = _manifest()
   have = {p.name: p for p in found}
+  damaged = False
   for r in manifest["parts"]:
     p = have.get(r["name"])
-    state = ("missing" if p is None else "ok" if sha256(p) == r["sha256"]
-             else "DAMAGED")
-    print(f"{r['name']}: {state}")
-  return 0
+    ok = p is not None and sha256(p) == r["sha256"]
+    damaged |= p is not None and not ok
+    print(f"{r['name']}: {'missing' if p is None else 'ok' if ok else 'DAMAGED'}")
+  return 1 if damaged else 0
 
 
 def unpack_kit(dest: pathlib.Path) -> pathlib.Path:
@@ -241,8 +255,9 @@ def unpack_kit(dest: pathlib.Path) -> pathlib.Path:
 
 def plan_steps(probe_rows: list[dict], cfg, seconds: float) -> dict:
   """Steps that fit ``seconds``, from a probe logged every step whose first
-  half ran TTT ``cfg.ttt_warm_steps`` and second half ``cfg.ttt_steps``:
-  the first step of each half is its compile, the rest its step time."""
+  half ran TTT ``cfg.ttt_warm_steps`` and second half ``cfg.ttt_steps``.
+  Each half's first step holds its compile, steps 3.. its step time; the
+  compile estimate keeps one warm step in (a little conservative)."""
   e = {r["step"]: r["elapsed_s"] for r in probe_rows}
   n = max(e)
   h = n // 2
@@ -256,57 +271,63 @@ def plan_steps(probe_rows: list[dict], cfg, seconds: float) -> dict:
               step_s_full=round(full, 4), compile_s=round(compile_, 1))
 
 
+def probe_plan(cfg, model, train_ex, scratch: pathlib.Path, steps: int,
+               seconds_left) -> dict:
+  """Times ``steps`` real steps, half at each TTT length (its weights are
+  thrown away: only the logged ``elapsed_s`` matter), and plans the run."""
+  from specjax.eagle import train as etrain
+  probe_cfg = dataclasses.replace(cfg, steps=steps, ttt_warm_fraction=0.5,
+                                  log_every=1, checkpoint_every=10 ** 9)
+  etrain.train(probe_cfg, scratch, model=model, examples=train_ex,
+               progress=False)
+  rows = [json.loads(l) for l in (scratch / "metrics.jsonl").open()]
+  return plan_steps(rows, cfg, seconds_left())
+
+
 def cmd_train(args) -> int:
+  import shutil
   t_start = time.time()
   end_of_training = t_start + args.budget - RESERVE_S
-  out = pathlib.Path(args.out)
+  out, scratch = pathlib.Path(args.out), pathlib.Path(args.scratch)
+  # A rerun on the same warm machine starts over: resuming the last run's
+  # checkpoint under a newly planned schedule would mix two schedules.
+  shutil.rmtree(scratch, ignore_errors=True)
   out.mkdir(parents=True, exist_ok=True)
-  unpack_kit(pathlib.Path(args.scratch))
+  unpack_kit(scratch)
   import jax
-  import numpy as np
-  from specjax.eagle import evaluate, export, train as etrain
+  from specjax.eagle import evaluate, train as etrain
   from specjax.models.registry import load_model
   print("devices:", jax.devices(), flush=True)
   cfg = etrain.override(runpy.run_path(str(CONFIG))["config"](), args.set)
-  train_ex, heldout = load_examples(pathlib.Path(args.scratch) /
-                                    "examples.npz")
+  train_ex, heldout = load_examples(scratch / "examples.npz")
   model = load_model(cfg.model)
   print(f"loaded: {len(train_ex)} training rows, {len(heldout)} held out, "
         f"{time.time() - t_start:.0f} s", flush=True)
-
-  # Probe: both TTT lengths, logged every step, in a scratch workdir.
-  n = args.probe_steps
-  probe_cfg = dataclasses.replace(cfg, steps=n, ttt_warm_fraction=0.5,
-                                  log_every=1, checkpoint_every=10 ** 9)
-  probe_dir = pathlib.Path(args.scratch) / "probe"
-  etrain.train(probe_cfg, probe_dir, model=model, examples=train_ex,
-               progress=False)
-  rows = [json.loads(l) for l in (probe_dir / "metrics.jsonl").open()]
-  plan = plan_steps(rows, cfg, end_of_training - time.time())
+  plan = probe_plan(cfg, model, train_ex, scratch / "probe", args.probe_steps,
+                    lambda: end_of_training - time.time())
   cfg = dataclasses.replace(cfg, steps=plan["steps"])
   print("plan:", json.dumps(plan), flush=True)
 
-  work = pathlib.Path(args.scratch) / "run"
+  work = scratch / "run"
   run = etrain.train(cfg, work, model=model, examples=train_ex,
                      deadline=end_of_training, progress=args.progress)
   t_trained = time.time()
-  s = dataclasses.replace(etrain.setup(cfg, model=model, examples=train_ex,
-                                       progress=False), heldout_ex=heldout)
-  # The head and log go to $OUT before scoring, so a command cut at its
-  # limit still returns the trained head.
-  head = out / f"eagle3-gpu-{run.step}.npz"
-  export.save_head(head, s.hcfg, run.params, s.vocab.ids)
-  pieces = split_file(head, OUT_FILE_LIMIT - MIB, lambda i: out)
+  # The head (train() exported it) and the log go to $OUT before scoring,
+  # so a command cut at its limit still returns the trained head.
+  head = work / f"eagle3-gpu-{run.step}.npz"
+  (work / "head.npz").rename(head)
   result = dict(run="eagle3-gpu", variant=cfg.variant, ttt=cfg.ttt_steps,
                 step=run.step,
-                tokens=evaluate.tokens_seen(cfg, s.train_ex, run.step),
-                head=dict(name=head.name, sha256=sha256(head), parts=pieces),
+                tokens=evaluate.tokens_seen(cfg, run.setup.train_ex, run.step),
+                head=dict(name=head.name, sha256=sha256(head),
+                          parts=split_file(head, OUT_FILE_LIMIT - MIB,
+                                           lambda i: out)),
                 plan=plan, config=dataclasses.asdict(cfg),
                 device=str(jax.devices()[0]),
-                seconds=dict(training=round(t_trained - t_start, 1)))
-  head.unlink()
+                seconds=dict(until_trained=round(t_trained - t_start, 1)))
   (out / "metrics.jsonl").write_bytes((work / "metrics.jsonl").read_bytes())
   (out / "result.json").write_text(json.dumps(result, indent=1))
+  s = dataclasses.replace(run.setup, heldout_ex=heldout)
   result.update(evaluate.heldout_accuracy(s, run.params))
   result["seconds"]["total"] = round(time.time() - t_start, 1)
   (out / "result.json").write_text(json.dumps(result, indent=1))
@@ -345,10 +366,12 @@ def main(argv=None) -> int:
   sub.add_parser("check", help="on the device: which parts are here")
   t = sub.add_parser("train", help="on the device: train, score, export")
   t.add_argument("--out", required=True, help="$OUT on the device")
-  t.add_argument("--budget", type=float, default=540,
-                 help="seconds for the whole command (device: 600 max)")
+  t.add_argument("--budget", type=float, default=450,
+                 help="seconds for the whole command; the device allows 600, "
+                 "and the session's device time must cover it too")
   t.add_argument("--scratch", default="/tmp/specjax-kit")
-  t.add_argument("--probe-steps", type=int, default=16)
+  t.add_argument("--probe-steps", type=int, default=16,
+                 choices=range(6, 65), metavar="6..64")
   t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
   t.add_argument("--progress", action="store_true")
   u = sub.add_parser("unpack", help="here: join the head the device wrote")

@@ -63,3 +63,29 @@ def test_step_plan_fits_the_budget():
   assert plan["compile_s"] == pytest.approx(c3 + c7 + warm, abs=0.1)
   per = 0.85 * warm + 0.15 * full
   assert plan["steps"] == int((400.0 - (c3 + c7 + warm)) / per)
+
+
+def test_check_reports_parts_and_fails_on_damage_or_mixed_packs(
+    tmp_path, monkeypatch, capsys):
+  """Invariant: `check` lists each part as ok / missing (exit 0: later
+  calls bring those), exits 1 on a damaged part, and refuses parts whose
+  manifests differ (two packs)."""
+  import json
+  monkeypatch.setattr(gpu_kit, "KIT", tmp_path)
+  src = tmp_path / "kit.tar"
+  src.write_bytes(bytes(range(256)) * 20)
+  recs = gpu_kit.split_file(src, 2_000, lambda i: tmp_path / f"p{i + 1}")
+  manifest = json.dumps(dict(tar="kit.tar", sha256=gpu_kit.sha256(src),
+                             parts=recs))
+  for d in ("p1", "p2"):
+    (tmp_path / d / "manifest.json").write_text(manifest)
+  (tmp_path / "p3" / "kit.tar.002").unlink()
+  assert gpu_kit.main(["check"]) == 0
+  assert capsys.readouterr().out.split("\n")[:3] == [
+      "kit.tar.000: ok", "kit.tar.001: ok", "kit.tar.002: missing"]
+  (tmp_path / "p2" / "kit.tar.001").write_bytes(b"x")
+  assert gpu_kit.main(["check"]) == 1
+  assert "kit.tar.001: DAMAGED" in capsys.readouterr().out
+  (tmp_path / "p2" / "manifest.json").write_text(manifest.replace("kit", "kat"))
+  assert gpu_kit.main(["check"]) == 2
+  assert "different packs" in capsys.readouterr().err

@@ -5,8 +5,9 @@
 at every step is a pure function of (seed, step) (``data.batch_indices``), so
 an interrupted run continues with the very losses an uninterrupted one has.
 Metrics go to ``workdir/metrics.jsonl`` (one line per logged step, appended,
-the file is truncated back to the restored step on resume) and the trained
-head to ``workdir/head.npz`` (``export.save_head``; rewritten at every
+the file is truncated back to the restored step on resume; ``tokens_per_s``
+and ``elapsed_s`` count from the start of the process that logged them) and
+the trained head to ``workdir/head.npz`` (``export.save_head``; rewritten at every
 checkpoint, so an interrupted run leaves its newest head). ``setup`` and
 ``restore_params`` rebuild a run's pieces for evaluation (``evaluate``).
 """
@@ -92,6 +93,13 @@ class TrainConfig:
   feature_cache: int = 0
   rows_bucket: int = 64
 
+  def __post_init__(self):
+    for name in ("max_len", "batch_size", "steps", "ttt_steps",
+                 "ttt_warm_steps", "draft_vocab", "rows_bucket",
+                 "checkpoint_every", "log_every"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
   def ttt_at(self, step: int) -> int:
     warm = step < int(self.ttt_warm_fraction * self.steps)
     return self.ttt_warm_steps if warm else self.ttt_steps
@@ -149,10 +157,12 @@ def init_head(key, hcfg: HeadConfig, target_params, vocab: DraftVocab):
 
 @dataclasses.dataclass
 class Run:
-  """What ``train`` returns: the final params and the per-step losses."""
+  """What ``train`` returns: the final params, the per-step losses of this
+  process, and the pieces the run was built from (for scoring it)."""
   params: Any
   losses: dict
   step: int
+  setup: "Setup"
 
 
 @dataclasses.dataclass
@@ -317,11 +327,11 @@ def train(cfg: TrainConfig, workdir: str, *, model=None,
       end = step + 1
     if (step + 1) % cfg.log_every == 0 or step + 1 == end:
       acc = [round(float(a), 4) for a in m["acc"]]
+      elapsed = time.perf_counter() - t0
       rec = dict(step=step + 1, loss=round(float(loss), 5), acc=acc,
                  ttt=K, grad_norm=round(float(gnorm), 4),
-                 tokens_per_s=round(tokens_seen / (time.perf_counter() - t0),
-                                    1),
-                 elapsed_s=round(time.perf_counter() - t0, 2))
+                 tokens_per_s=round(tokens_seen / elapsed, 1),
+                 elapsed_s=round(elapsed, 2))
       with open(metrics_path, "a") as f:
         f.write(json.dumps(rec) + "\n")
       bar.set_postfix(loss=f"{float(loss):.3f}",
@@ -336,7 +346,7 @@ def train(cfg: TrainConfig, workdir: str, *, model=None,
   mngr.wait_until_finished()
   # The head as one portable file, usable by `--method eagle3 --head`.
   save_head(work / "head.npz", hcfg, state["params"], vocab.ids)
-  return Run(params=state["params"], losses=losses, step=end)
+  return Run(params=state["params"], losses=losses, step=end, setup=s)
 
 
 def _truncate_metrics(path: pathlib.Path, step: int) -> None:
