@@ -15,13 +15,15 @@ conversations, carried by the kit and kept out of training (``heldout = 0``
 here: the kit's training rows already exclude them).
 """
 
-from specjax.eagle.train import TrainConfig
+import dataclasses
+import pathlib
+import runpy
+
+_CPU = pathlib.Path(__file__).with_name("eagle3_smollm2.py")
 
 
-def config() -> TrainConfig:
-  return TrainConfig(
-      model="smollm2-135m", num_conversations=20000, heldout=0, max_len=512,
-      batch_size=64, steps=1000, ttt_steps=7, ttt_warm_steps=3,
-      ttt_warm_fraction=0.85, draft_vocab=16384, lr=1e-3, warmup=50,
-      final_lr_fraction=0.1, clip_norm=0.5, checkpoint_every=100, keep=2,
-      log_every=10, rows_bucket=512)
+def config():
+  cpu = runpy.run_path(str(_CPU))["config"]()
+  return dataclasses.replace(
+      cpu, num_conversations=20000, heldout=0, batch_size=64, lr=1e-3,
+      warmup=50, checkpoint_every=100, keep=2, rows_bucket=cpu.max_len)
