@@ -124,17 +124,16 @@ def kit_examples(cfg):
   conversations (so scores compare with the CPU heads'), train = the first
   ``cfg.num_conversations`` minus any row equal to a held-out one."""
   import numpy as np
-  from specjax.eagle import data as edata
+  from specjax.eagle import data as edata, train as etrain
   from specjax.models.registry import load_model
   cpu = runpy.run_path(str(CPU_CONFIG))["config"]()
   if (cfg.model, cfg.max_len) != (cpu.model, cpu.max_len):
     raise ValueError("the GPU config must keep the CPU recipe's model and "
                      "max_len, or its held-out score compares with nothing")
-  tok = load_model(cpu.model).tokenizer
-  _, heldout = edata.split(
-      edata.sharegpt_examples(tok, cpu.num_conversations, cpu.max_len),
-      cpu.heldout, cpu.seed)
-  ex = edata.sharegpt_examples(tok, cfg.num_conversations, cpu.max_len)
+  model = load_model(cpu.model)
+  heldout = etrain.setup(cpu, model=model, progress=False).heldout_ex
+  ex = edata.sharegpt_examples(model.tokenizer, cfg.num_conversations,
+                               cpu.max_len)
   held = {r.tobytes() for r in heldout.ids}
   keep = np.array([r.tobytes() not in held for r in ex.ids])
   return ex.take(np.nonzero(keep)[0]), heldout
