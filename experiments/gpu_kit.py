@@ -10,9 +10,10 @@ So the run travels as a kit:
 1. Here: ``python experiments/gpu_kit.py pack`` tokenizes the training data
    (the first 20k ShareGPT conversations rendered like the CPU runs', minus
    those runs' 64 held-out conversations, which come along as the held-out
-   set), downloads the two wheels, and cuts it all into parts under
-   ``.devkit/`` (git-ignored), each small enough to travel beside the
-   working tree. It prints the calls to make.
+   set), downloads the two wheels (and with ``--init-head H`` adds a head
+   to go on from: a lease returns the head, so the next one continues it),
+   and cuts it all into parts under ``.devkit/`` (git-ignored), each small
+   enough to travel beside the working tree. It prints the calls to make.
 2. Device, calls 1..N-1: ``carry=[".devkit/pI"]``, command ``python3
    experiments/gpu_kit.py check``. A carried path stays on the warm machine
    for the next call; the machine goes back after 30 s idle, so make the
@@ -65,6 +66,7 @@ MIB = 1 << 20
 CALL_LIMIT = 64 * MIB  # working tree + carried paths, per device call
 OUT_FILE_LIMIT = 16 * MIB  # per file that comes back from $OUT
 RESERVE_S = 75  # after training: held-out scoring, export, writes
+INIT_HEAD = "init_head.npz"  # in the kit when `pack --init-head` was given
 
 
 def sha256(path: pathlib.Path) -> str:
@@ -173,6 +175,9 @@ def cmd_pack(args) -> int:
   import importlib.metadata as md
   import shutil
   cfg = runpy.run_path(str(CONFIG))["config"]()
+  if args.init_head:  # fail before minutes of packing, not on the device
+    from specjax.eagle.export import load_head
+    load_head(args.init_head)
   stage = KIT / "stage"
   shutil.rmtree(KIT, ignore_errors=True)
   stage.mkdir(parents=True)
@@ -184,6 +189,8 @@ def cmd_pack(args) -> int:
                     *names], check=True)
   train, heldout = kit_examples(cfg)
   save_examples(stage / "examples.npz", train, heldout)
+  if args.init_head:  # a later lease goes on from the last one's head
+    shutil.copyfile(args.init_head, stage / INIT_HEAD)
   tar = KIT / "kit.tar"
   with tarfile.open(tar, "w") as t:
     for p in sorted(stage.iterdir()):
@@ -195,7 +202,8 @@ def cmd_pack(args) -> int:
                      " too little to carry the kit")
   parts = split_file(tar, room, lambda i: KIT / f"p{i + 1}")
   manifest = dict(tar=tar.name, sha256=sha256(tar), parts=parts,
-                  wheels=pins, pinned=pinned, train_rows=len(train),
+                  wheels=pins, pinned=pinned, init_head=args.init_head,
+                  train_rows=len(train),
                   heldout_rows=len(heldout))
   tar.unlink()
   for i in range(len(parts)):  # every call can check what it has
@@ -370,6 +378,8 @@ def cmd_train(args) -> int:
   print("devices:", jax.devices(), "packages:", ", ".join(
       f"{n} {_version(n)}" for n in ("jax", *PINNED)), flush=True)
   cfg = etrain.override(runpy.run_path(str(CONFIG))["config"](), args.set)
+  if (scratch / INIT_HEAD).exists():
+    cfg = dataclasses.replace(cfg, init_head=str(scratch / INIT_HEAD))
   train_ex, heldout = load_examples(scratch / "examples.npz")
   model = load_model(cfg.model)
   print(f"loaded: {len(train_ex)} training rows, {len(heldout)} held out, "
@@ -441,6 +451,8 @@ def main(argv=None) -> int:
   sub = ap.add_subparsers(dest="cmd", required=True)
   p = sub.add_parser("pack", help="build .devkit/ here")
   p.add_argument("--margin-mib", type=int, default=2)
+  p.add_argument("--init-head", default="",
+                 help="a head to go on from (a previous lease's, unpacked)")
   sub.add_parser("check", help="on the device: which parts are here")
   sm = sub.add_parser("smoke", help="the trainer on a random tiny target")
   sm.add_argument("--work", required=True)

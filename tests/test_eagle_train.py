@@ -92,6 +92,36 @@ def test_deadline_stops_with_a_checkpoint_and_resumes(tiny_model, tmp_path):
   assert steps == [1, 2, 3, 4, 5, 6]
 
 
+def test_init_head_continues_from_an_exported_head(tiny_model, tmp_path):
+  """Invariants: a run started from an exported head begins at that head's
+  (bf16-stored) parameters and draft vocabulary, whatever its own Vd
+  setting says, and trains on from there; a head of the other variant is
+  refused by name."""
+  import jax
+  from specjax.eagle.export import load_head
+  ex = _examples()
+  first = etrain.train(dataclasses.replace(CFG, steps=2), tmp_path / "a",
+                       model=tiny_model, examples=ex, progress=False)
+  head = tmp_path / "a" / "head.npz"
+  _, saved, ids = load_head(head)
+  cfg = dataclasses.replace(CFG, steps=2, draft_vocab=20,
+                            init_head=str(head))
+  s = etrain.setup(cfg, model=tiny_model, examples=ex, progress=False)
+  np.testing.assert_array_equal(s.vocab.ids, ids)
+  np.testing.assert_array_equal(s.vocab.ids, first.setup.vocab.ids)
+  assert s.vocab.in_vocab.sum() == 30
+  for a, b in zip(jax.tree.leaves(s.params), jax.tree.leaves(saved)):
+    np.testing.assert_array_equal(a, b)
+  run = etrain.train(cfg, tmp_path / "b", model=tiny_model, examples=ex,
+                     progress=False)
+  assert run.step == 2 and not np.allclose(run.params["fc"]["kernel"],
+                                           saved["fc"]["kernel"])
+  with pytest.raises(ValueError, match="is an eagle3 head; this run trains "
+                     "eagle1"):
+    etrain.setup(dataclasses.replace(cfg, variant="eagle1"), model=tiny_model,
+                 examples=ex, progress=False)
+
+
 def test_feature_cache_equals_on_the_fly_and_resumes(tiny_model, tmp_path):
   """Invariants: (1) a float32 cache gives the batch the target gives on
   the fly (argmax-in-Vd equal; taps, and Vd logits recomputed from the

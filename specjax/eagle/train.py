@@ -65,6 +65,10 @@ class TrainConfig:
       distinct count is one compile. ``max_len`` means all rows, one
       compile: the choice where the LM head is cheap and compiles are not
       (GPU).
+    init_head: a head file (``export.save_head``) to start from, its
+      parameters and draft vocabulary, instead of the warm-started random
+      init: a run continued on another machine (a GPU lease returns the
+      head, not the optimizer state, which starts afresh).
   """
   model: str = "smollm2-135m"
   variant: str = "eagle3"
@@ -92,6 +96,7 @@ class TrainConfig:
   regen_max_new_tokens: int = 384
   feature_cache: int = 0
   rows_bucket: int = 64
+  init_head: str = ""
 
   def __post_init__(self):
     for name in ("max_len", "batch_size", "steps", "ttt_steps",
@@ -210,6 +215,14 @@ def setup(cfg: TrainConfig, *, model=None,
     train_ex = rewrite(train_ex.take(np.arange(min(cfg.regenerate,
                                                    len(train_ex)))))
     heldout_ex = rewrite(heldout_ex)
+  if cfg.init_head:
+    from specjax.eagle.export import load_head
+    hcfg, params, ids = load_head(cfg.init_head, tcfg)
+    if hcfg.variant != cfg.variant:
+      raise ValueError(f"init_head {cfg.init_head!r} is an {hcfg.variant} "
+                       f"head; this run trains {cfg.variant}")
+    return Setup(model, train_ex, heldout_ex,
+                 DraftVocab.from_ids(ids, tcfg.vocab_size), hcfg, params)
   vd = tcfg.vocab_size if cfg.variant == "eagle1" else cfg.draft_vocab
   vocab = build_draft_vocab(
       (r[m] for r, m in zip(train_ex.ids, train_ex.mask)), tcfg.vocab_size,

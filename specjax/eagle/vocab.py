@@ -29,6 +29,13 @@ class DraftVocab:
   def size(self) -> int:
     return self.ids.shape[0]
 
+  @classmethod
+  def from_ids(cls, ids, vocab_size: int) -> "DraftVocab":
+    ids = np.sort(np.asarray(ids, np.int32))
+    in_vocab = np.zeros(vocab_size, bool)
+    in_vocab[ids] = True
+    return cls(ids=ids, in_vocab=in_vocab)
+
 
 def build_draft_vocab(token_streams: Iterable[Sequence[int]], vocab_size: int,
                       size: int, always: Sequence[int] = ()) -> DraftVocab:
@@ -44,10 +51,7 @@ def build_draft_vocab(token_streams: Iterable[Sequence[int]], vocab_size: int,
   forced = np.unique(np.asarray(list(always), np.int64))
   counts[forced] = np.iinfo(np.int64).max  # first in line
   order = np.argsort(-counts, kind="stable")  # stable: ties by id
-  ids = np.sort(order[:size]).astype(np.int32)
-  in_vocab = np.zeros(vocab_size, bool)
-  in_vocab[ids] = True
-  return DraftVocab(ids=ids, in_vocab=in_vocab)
+  return DraftVocab.from_ids(order[:size], vocab_size)
 
 
 def draft_rows(target_params, vocab: DraftVocab) -> jax.Array:
