@@ -105,6 +105,9 @@ GEN = ("generate", "--max-new-tokens", "4")
       "/tmp/x", "--time-limit", "-1"), ["--time-limit"]),
     (("train", "--config", "experiments/eagle3_smollm2.py", "--workdir",
       "/tmp/x", "--set", "rows_bucket=0"), ["rows_bucket must be >= 1"]),
+    (("train", "--config", "experiments/eagle3_smollm2.py", "--workdir",
+      "/tmp/x", "--set", "init_head=/no/such.npz"),
+     ["init_head: no file '/no/such.npz'"]),
 ])
 def test_bad_input_exits_2_with_one_line(capsys, args, needles):
   """Invariant: each kind of bad input -> exit 2, one stderr line naming it."""

@@ -104,6 +104,8 @@ class TrainConfig:
                  "checkpoint_every", "log_every"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    if self.init_head and not pathlib.Path(self.init_head).is_file():
+      raise ValueError(f"init_head: no file {self.init_head!r}")
 
   def ttt_at(self, step: int) -> int:
     warm = step < int(self.ttt_warm_fraction * self.steps)
