@@ -318,7 +318,7 @@ def first_passing(candidates: list[list[pathlib.Path]],
   each tried on PYTHONPATH ahead of the machine's own packages."""
   for i, paths in enumerate(candidates):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [*map(str, paths), os.environ.get("PYTHONPATH", "")]))
+        [*map(str, paths), *filter(None, [os.environ.get("PYTHONPATH")])]))
     if subprocess.run([sys.executable, *argv], env=env).returncode == 0:
       return paths
     print(f"gpu_kit: failed with package folders {[str(p) for p in paths]}"
