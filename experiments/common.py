@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 import platform
 import statistics
-import subprocess
 import time
 
 import jax
+
+from specjax.bench import git_sha  # noqa: F401 (provenance, one definition)
 
 # Eight chat prompts of different lengths (benchmarks take the first B).
 CHAT_PROMPTS = (
@@ -21,17 +22,6 @@ CHAT_PROMPTS = (
     "How do I sort a list of dictionaries by a key in Python? Show code.",
     "Translate 'good morning, how are you?' into French and Spanish.",
 )
-
-
-def git_sha() -> str:
-  try:
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                         capture_output=True, text=True, check=True).stdout
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True).stdout.strip()
-    return sha.strip() + ("-dirty" if dirty else "")
-  except (OSError, subprocess.CalledProcessError):
-    return "unknown"
 
 
 def machine() -> str:

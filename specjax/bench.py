@@ -29,6 +29,7 @@ one process, back to back, so its speedup ratio stays a fair comparison.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import pathlib
@@ -138,11 +139,17 @@ def acceptance_stats(rows: Sequence[runner.RowResult], k: int) -> dict:
       target_forwards=forwards)
 
 
+@functools.cache
 def git_sha() -> str:
+  """The checkout's commit (``-dirty`` with uncommitted changes to tracked
+  files), read once: an hours-long run reports the code it started with,
+  not a commit made while it ran."""
+  git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True,
+                                  check=True, cwd=pathlib.Path(__file__).parents[1]
+                                  ).stdout.strip()
   try:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                          capture_output=True, text=True, check=True,
-                          cwd=__file__.rsplit("/", 2)[0]).stdout.strip()
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return git("rev-parse", "--short", "HEAD") + ("-dirty" if dirty else "")
   except (OSError, subprocess.CalledProcessError):
     return "unknown"
 
@@ -213,6 +220,7 @@ def run(model: Model, methods_: Sequence[methods.MethodSpec | tuple],
   there for this exact benchmark are read back, not decoded again.
   """
   from tqdm import tqdm
+  git_sha()  # now, before hours of decoding
   built = [m if isinstance(m, tuple) else (m, *methods.build(model, m))
            for m in methods_]
   specs = [m[0] for m in built]
