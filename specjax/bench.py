@@ -144,9 +144,9 @@ def git_sha() -> str:
   """The checkout's commit (``-dirty`` with uncommitted changes to tracked
   files), read once: an hours-long run reports the code it started with,
   not a commit made while it ran."""
+  root = pathlib.Path(__file__).parents[1]
   git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True,
-                                  check=True, cwd=pathlib.Path(__file__).parents[1]
-                                  ).stdout.strip()
+                                  check=True, cwd=root).stdout.strip()
   try:
     dirty = git("status", "--porcelain", "--untracked-files=no")
     return git("rev-parse", "--short", "HEAD") + ("-dirty" if dirty else "")
