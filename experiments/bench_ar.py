@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from experiments.common import CHAT_PROMPTS, git_sha, machine, median, timed  # noqa: E402
+from experiments.common import CHAT_PROMPTS, machine, median, timed  # noqa: E402
+from specjax.bench import git_sha  # noqa: E402
 from specjax import assets, bucketing, engine  # noqa: E402
 from specjax.models.registry import load_model  # noqa: E402
 from specjax.models.weights import num_params  # noqa: E402

@@ -9,8 +9,6 @@ import time
 
 import jax
 
-from specjax.bench import git_sha  # noqa: F401 (provenance, one definition)
-
 # Eight chat prompts of different lengths (benchmarks take the first B).
 CHAT_PROMPTS = (
     "Write a Python function that reverses a string.",
