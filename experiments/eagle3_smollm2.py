@@ -1,14 +1,16 @@
-"""EAGLE-3 head for SmolLM2-135M-Instruct: the shipped head's config.
+"""EAGLE-3 head for SmolLM2-135M-Instruct: the online recipe.
 
   specjax train --config experiments/eagle3_smollm2.py --workdir runs/e3
   specjax train --config experiments/eagle3_smollm2.py --set steps=50 --workdir /tmp/e3
 
-Sized for this 2-core CPU (../shared/research/eagle3_cpu_calibration.md):
+Sized for the first, slower 2-core VM
+(../shared/research/eagle3_cpu_calibration.md):
 ~2 h of training with the CPU to itself (~5.6 s per TTT-3 step, ~9 s per
 TTT-7 step), ~1.1M tokens. Vd 16384 covers ~97% of assistant tokens;
 TTT 3 for the first 85% of steps (twice the throughput, and at this accuracy
 depths past 3 add little to τ), then 7; batch 2 x 512 tokens. Runs resume
-from the newest checkpoint in the workdir.
+from the newest checkpoint in the workdir. It trained the head shipped
+until the cached recipe (``eagle3_smollm2_cached.py``) replaced it.
 """
 
 from specjax.eagle.train import TrainConfig
