@@ -77,7 +77,7 @@ def plot(rows, path: pathlib.Path):
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.2))
   runs = {}
   rows = [r for r in rows if "heldout" not in r]  # own held-out sets only
   for r in sorted(rows, key=lambda r: r["step"]):
@@ -97,7 +97,7 @@ def plot(rows, path: pathlib.Path):
   ax1.legend(fontsize=8)
   ax2.set_xlabel("draft depth k (TTT step)")
   ax2.set_ylabel("held-out acceptance α_k")
-  ax2.legend(fontsize=8)
+  ax2.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
   fig.tight_layout()
   path.parent.mkdir(parents=True, exist_ok=True)
   fig.savefig(path, dpi=110)
