@@ -5,13 +5,14 @@
 The shipped head's config. The same recipe as ``eagle3_smollm2.py`` but the
 frozen target runs once, over the first 2000 training conversations
 (``feature_cache``: 4.7 GB of bf16 features in ``workdir/features``), and the
-head trains 3.4 epochs over them (3400 steps of batch 2, TTT 3 then TTT 7 for
-the last 15%). Sized to the 2-hour budget on the faster 2-core VM
-(docs/RESULTS.md): the cache ~0.5 s per conversation, a TTT-3 step ~1.1 s, a
-TTT-7 step ~2.5 s; 1 h 33 min in all. On the slower VM the same run takes
-about 2.5x as long; ``--set feature_cache=720 --set steps=1440`` is the
-2-hour run there (``eagle3-v3`` in RESULTS). Resumes from the newest
-checkpoint (and a partial cache).
+head trains 5 epochs over them (5000 steps of batch 2, all at TTT 3: the
+deeper steps of TTT 7 cost 2.2x the step time and added ~0.01 to MT-bench
+tau). Sized to the 2-hour budget on the faster 2-core VM (docs/RESULTS.md,
+``eagle3-v5``): the cache ~0.5 s per conversation, a step ~1.1 s; 1 h 50 min
+in all. On the slower VM the same run takes about 2.5x as long;
+``--set feature_cache=720 --set steps=1440 --set ttt_steps=7
+--set ttt_warm_fraction=0.85`` is the 2-hour run there (``eagle3-v3``).
+Resumes from the newest checkpoint (and a partial cache).
 """
 
 import dataclasses
@@ -23,5 +24,6 @@ _ONLINE = pathlib.Path(__file__).with_name("eagle3_smollm2.py")
 
 def config():
   online = runpy.run_path(str(_ONLINE))["config"]()
-  return dataclasses.replace(online, steps=3400, feature_cache=2000,
+  return dataclasses.replace(online, steps=5000, feature_cache=2000,
+                             ttt_steps=3, ttt_warm_fraction=0.0,
                              checkpoint_every=200, keep=2)
