@@ -83,8 +83,9 @@ def plot(rows, path: pathlib.Path):
   for r in sorted(rows, key=lambda r: r["step"]):
     runs.setdefault(r["run"], []).append(r)
   common = min(rs[-1]["step"] for rs in runs.values())
+  colors = plt.get_cmap("tab20").colors  # C0..C9 would repeat past ten runs
   for i, (run, rs) in enumerate(sorted(runs.items())):
-    color = f"C{i}"
+    color = colors[i % len(colors)]
     ax1.plot([r["tokens"] / 1e6 for r in rs], [r["expected_tau"] for r in rs],
              "o-", color=color, label=run)
     shown = [rs[-1]] + [r for r in rs if r["step"] == common and r is not rs[-1]]
