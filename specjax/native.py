@@ -1,0 +1,81 @@
+"""A CPU matmul for a few rows, as an XLA custom call (issue 17, first slice).
+
+Decode and verify forwards multiply M = batch x tokens <= 64 rows by weights
+far larger than any cache; XLA CPU's dot runs that shape well below the
+weight-read limit (docs/DESIGN.md, "Why verification costs ~2 forwards on
+this CPU"). ``small_matmul`` calls ``specjax/kernels/small_gemm.cc`` through
+``jax.ffi``: part of the compiled program, not a host callback, so it stays
+inside ``jit`` and ``lax.while_loop``. The weight must be ``pack``-ed once
+into 16-column panels (``[ceil(N / 16), K, 16]``), which the kernel reads
+front to back.
+
+The shared library is built by the README's set-up command (``make
+install``: ``g++`` against ``jax.ffi.include_dir()``). When it is missing or
+fails to load, or ``SPECJAX_NATIVE=0`` is set, ``available()`` is False with
+one warning line saying why, and ``small_matmul`` computes the same product
+with XLA on the packed layout. Forward only: it has no VJP.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pathlib
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+LIBRARY = pathlib.Path(__file__).with_name("kernels") / "_small_gemm.so"
+TARGET = "specjax_small_gemm"
+LANES = 16  # output columns per panel (small_gemm.cc: kLanes)
+_status: dict = {}
+
+
+def available() -> bool:
+  """Whether the kernel is built, loaded and registered (once a process);
+  the first call that finds it is not warns with the reason, once."""
+  if "ok" not in _status:
+    reason = _load()
+    _status["ok"] = reason is None
+    if reason:
+      warnings.warn(f"specjax: native small matmul off ({reason}); using "
+                    "XLA's dot", RuntimeWarning, stacklevel=2)
+  return _status["ok"]
+
+
+def _load():
+  """None when registered, else why not."""
+  if os.environ.get("SPECJAX_NATIVE", "1") == "0":
+    return "SPECJAX_NATIVE=0"
+  if not LIBRARY.is_file():
+    return f"{LIBRARY.name} not built: run `make install`"
+  try:
+    lib = ctypes.cdll.LoadLibrary(str(LIBRARY))
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.SpecjaxSmallGemm),
+                                platform="cpu")
+  except (OSError, AttributeError, RuntimeError) as e:
+    return f"{LIBRARY.name} failed to load: {e}"
+  return None
+
+
+def pack(w_KN: jax.Array) -> jax.Array:
+  """``[K, N]`` -> ``[ceil(N / 16), K, 16]`` panels, zero-padded: each
+  panel's K x 16 weights contiguous, in the order the kernel reads them."""
+  K, N = w_KN.shape
+  P = -(-N // LANES)
+  w = jnp.pad(w_KN, ((0, 0), (0, P * LANES - N)))
+  return w.reshape(K, P, LANES).transpose(1, 0, 2)
+
+
+def small_matmul(x_MK: jax.Array, packed_PKL: jax.Array, n: int
+                 ) -> jax.Array:
+  """``x @ W`` as ``f32[M, n]`` for ``packed = pack(W)`` (W: ``[K, n]``).
+  The native kernel when ``available()``, else XLA on the packed layout."""
+  M, K = x_MK.shape
+  if available():
+    return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((M, n), jnp.float32))(
+        x_MK.astype(jnp.float32), packed_PKL.astype(jnp.float32))
+  y = jnp.einsum("mk,pkl->mpl", x_MK, packed_PKL,
+                 preferred_element_type=jnp.float32)
+  return y.reshape(M, -1)[:, :n]

@@ -1,0 +1,126 @@
+"""The native small-row matmul (specjax/native.py, specjax/kernels/): the
+same product as XLA's dot for every row count a decode or verify step uses,
+inside compiled loops, and an XLA fallback that says why it is used."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import native
+
+# SmolLM2's matrices, and odd ones: N not a multiple of 16, odd K, N < 16.
+SHAPES = [(576, 1728), (576, 3072), (1536, 576), (577, 1000), (5, 17),
+          (64, 3)]
+ROWS = [1, 2, 3, 5, 6, 7, 8, 13, 16, 31, 64]
+
+
+@pytest.mark.parametrize("K,N", SHAPES)
+def test_small_matmul_equals_xla_dot(K, N):
+  """Invariant: for M = 1..64 rows (every register-block remainder) the
+  kernel's product equals XLA's ``x @ W`` to 1e-5 relative (f32)."""
+  assert native.available(), "built by `make install`"
+  rng = np.random.default_rng(K * N)
+  w = jnp.asarray(rng.standard_normal((K, N)), jnp.float32)
+  packed = native.pack(w)
+  assert packed.shape == (-(-N // native.LANES), K, native.LANES)
+  f = jax.jit(lambda x, p: native.small_matmul(x, p, N))
+  for M in ROWS:
+    x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
+    ref = np.asarray(x @ w)
+    np.testing.assert_allclose(np.asarray(f(x, packed)), ref, rtol=1e-5,
+                               atol=1e-5 * np.abs(ref).max())
+
+
+def test_small_matmul_runs_inside_compiled_loops():
+  """Invariant: the custom call is part of the program: it runs inside
+  ``lax.fori_loop`` under ``jit`` (no host callback) with the result of
+  the same loop over XLA's dot."""
+  rng = np.random.default_rng(1)
+  w = jnp.asarray(rng.standard_normal((48, 48)) / 7, jnp.float32)
+  x = jnp.asarray(rng.standard_normal((3, 48)), jnp.float32)
+  packed = native.pack(w)
+  loop = lambda mm: jax.jit(lambda x: jax.lax.fori_loop(
+      0, 5, lambda i, h: jnp.tanh(mm(h)), x))
+  np.testing.assert_allclose(
+      loop(lambda h: native.small_matmul(h, packed, 48))(x),
+      loop(lambda h: h @ w)(x), rtol=1e-5, atol=1e-6)
+
+
+def test_switched_off_it_warns_once_and_uses_xla(monkeypatch):
+  """Invariant: with SPECJAX_NATIVE=0 (or no library) ``available()`` is
+  False with one warning line naming the reason, and the product is XLA's
+  on the packed layout, equal to the dot."""
+  monkeypatch.setattr(native, "_status", {})
+  monkeypatch.setenv("SPECJAX_NATIVE", "0")
+  with pytest.warns(RuntimeWarning, match="SPECJAX_NATIVE=0") as record:
+    assert not native.available()
+    assert not native.available()
+  assert len(record) == 1
+  rng = np.random.default_rng(2)
+  w = jnp.asarray(rng.standard_normal((40, 20)), jnp.float32)
+  x = jnp.asarray(rng.standard_normal((4, 40)), jnp.float32)
+  np.testing.assert_allclose(native.small_matmul(x, native.pack(w), 20),
+                             x @ w, rtol=1e-5, atol=1e-5)
+  monkeypatch.setattr(native, "_status", {})
+  monkeypatch.setattr(native, "LIBRARY", native.LIBRARY.with_name("none.so"))
+  monkeypatch.delenv("SPECJAX_NATIVE")
+  with pytest.warns(RuntimeWarning, match="none.so not built"):
+    assert not native.available()
+
+
+def _logits(params, cfg, prompt_BT, new_BT):
+  """Logits of a prefill over ``prompt_BT`` and of a verify-like forward
+  over ``new_BT`` on top of it."""
+  from specjax.models import llama
+  B = prompt_BT.shape[0]
+  fwd = jax.jit(lambda p, t, c: llama.forward(p, cfg, t, c))
+  first = fwd(params, prompt_BT, llama.init_cache(cfg, B, 64))
+  return first.logits, fwd(params, new_BT, first.cache).logits
+
+
+def _assert_close(a, b):
+  a, b = np.asarray(a), np.asarray(b)
+  np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max())
+
+
+def test_packed_model_decodes_like_the_plain_one(tmp_path):
+  """Invariants on a tiny random Llama: with every matmul and the LM head
+  packed for the kernel (``pack_params``) the logits of a prefill and of a
+  5-token verify equal XLA's (1e-5 of the largest), and AR and n-gram
+  speculative decoding emit the plain model's greedy tokens."""
+  from specjax import engine
+  from specjax.drafters import NGramDrafter
+  from specjax.models import llama
+  from specjax.models.hf_loader import load_hf
+  from tests.test_speculative import _run
+  from tests.tiny_hf import make_tiny
+  make_tiny("llama_gqa_tied", tmp_path, seed=5)
+  cfg, params = load_hf(tmp_path)
+  packed = llama.pack_params(params)
+  assert isinstance(packed.layers[0].wqkv, llama.PackedWeight)
+  rng = np.random.default_rng(3)
+  prompt, new = (jnp.asarray(rng.integers(0, cfg.vocab_size, (3, t)),
+                             jnp.int32) for t in (13, 5))
+  for a, b in zip(_logits(packed, cfg, prompt, new),
+                  _logits(params, cfg, prompt, new)):
+    _assert_close(a, b)
+  for dcfg in (engine.DecodeConfig(capacity=64),
+               engine.DecodeConfig(capacity=64, drafter=NGramDrafter(),
+                                   num_draft=4)):
+    assert _run(packed, cfg, dcfg)[0] == _run(params, cfg, dcfg)[0]
+
+
+def test_packed_smollm2_logits_equal_xla(smollm2):
+  """Invariant: on SmolLM2-135M (real weights, a real prompt) the packed
+  model's prefill and 8-token verify logits equal XLA's to 1e-5 of the
+  largest."""
+  from specjax.models import llama
+  ids = smollm2.tokenizer.encode("The capital of France is Paris. The "
+                                 "capital of Italy is")
+  prompt = jnp.asarray([ids, ids[::-1]], jnp.int32)
+  new = jnp.asarray([ids[:8], ids[-8:]], jnp.int32)
+  packed = llama.pack_params(smollm2.params)
+  for a, b in zip(_logits(packed, smollm2.config, prompt, new),
+                  _logits(smollm2.params, smollm2.config, prompt, new)):
+    _assert_close(a, b)
