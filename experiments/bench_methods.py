@@ -48,6 +48,9 @@ def main(argv=None):
   ap.add_argument("--json", default=None)
   ap.add_argument("--journal", default=None,
                   help="finished batches go here; a rerun resumes after them")
+  ap.add_argument("--native", action="store_true",
+                  help="the target's matmuls on the native small-row kernel "
+                  "(llama.pack_params), for AR and every method alike")
   args = ap.parse_args(argv)
   for path in (args.json, args.journal):  # fail now, not after an hour
     if path:
@@ -63,9 +66,14 @@ def main(argv=None):
   ids = [model.tokenizer.encode_chat(p) if chat else model.tokenizer.encode(p)
          for p in prompts]
   built = [(s, *methods.build(model, s)) for s in specs]
+  if args.native:
+    import dataclasses
+
+    from specjax.models.llama import pack_params
+    model = dataclasses.replace(model, params=pack_params(model.params))
 
   def emit(result):
-    line = json.dumps(result)
+    line = json.dumps(dict(result, native=args.native))
     print(line, flush=True)
     if args.json:
       with open(args.json, "a", encoding="utf-8") as f:
