@@ -359,7 +359,7 @@ def main(argv=None) -> int:
               "rehearse": cmd_rehearse, **kit_device.add_parsers(sub)}
   args = ap.parse_args(argv)
   if hasattr(args, "scratch"):
-    kit_device.use_compilation_cache(args.scratch)
+    kit_device.device_env(args.scratch)
   try:
     return commands[args.cmd](args)
   except ValueError as e:

@@ -124,12 +124,14 @@ def install(wheels: list[pathlib.Path], target: pathlib.Path) -> None:
                    check=True)
 
 
-def use_compilation_cache(scratch: pathlib.Path) -> None:
-  """A persistent compilation cache in ``scratch`` (kept on the warm machine
-  from call to call) for this process and its children; set before JAX
-  is imported."""
+def device_env(scratch: pathlib.Path) -> None:
+  """For this process and its children, set before JAX is imported: a
+  persistent compilation cache in ``scratch`` (kept on the warm machine
+  from call to call), and GPU memory taken as needed rather than 75% up
+  front (call 1's parent holds a backend while its children run theirs)."""
   os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                         str(pathlib.Path(scratch) / "xla-cache"))
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 def child_env(paths) -> dict:
