@@ -12,7 +12,7 @@ layers) plus the LM head on independent inputs, once as XLA's ``x @ W`` and
 once as ``native.small_matmul`` on packed weights, and a read of every
 weight once (a sum: the weight-read roofline). Timed round-robin (one call
 of each per round), median over rounds. Prints one JSON line: ms per
-program and M, the ratio to M = 1, and the host.
+program and M, the ratio to M = 1, and the machine.
 """
 
 from __future__ import annotations
@@ -20,17 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import platform
-import subprocess
 import sys
-import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
+from experiments.common import machine, median, timed  # noqa: E402
+from experiments.gpu_cost_curve import context_cache, donated_forward  # noqa: E402,E501
 from specjax import native  # noqa: E402
 from specjax.bench import git_sha  # noqa: E402
 from specjax.models.registry import load_model  # noqa: E402
@@ -56,20 +53,17 @@ def programs(ws: list, packed: list, M: int):
 
 
 def forward_calls(model, batches, tokens, context: int = 256) -> dict:
-  """``{(layout, B, T): call}``: one jitted forward per shape and layout,
-  the cache donated and fed back with its lengths reset (a decode loop's
-  in-place writes), compiled ahead."""
+  """``{(layout, B, T): call}``: one compiled forward per shape and layout
+  (``gpu_cost_curve.donated_forward``: the cache fed back, written in
+  place as in a decode loop)."""
   from specjax.models import llama
   cfg = model.config
   layouts = {"xla": model.params, "native": llama.pack_params(model.params)}
-  fwd = jax.jit(lambda p, t, c: (
-      lambda o: (o.logits, o.cache.with_lengths(c.lengths)))(
-          llama.forward(p, cfg, t, c)), donate_argnums=2)
+  fwd = donated_forward(cfg)
   calls = {}
   for B in batches:
     for name, params in layouts.items():
-      holder = [llama.init_cache(cfg, B, 2 * context).with_lengths(
-          np.full((B,), context, np.int32))]
+      holder = [context_cache(cfg, B, context)]
       for T in tokens:
         tok = jnp.ones((B, T), jnp.int32)
 
@@ -86,19 +80,8 @@ def time_round_robin(calls: dict, repeats: int) -> dict:
   times = {k: [] for k in calls}
   for _ in range(repeats):
     for k, call in calls.items():
-      t = time.perf_counter()
-      jax.block_until_ready(call())
-      times[k].append(time.perf_counter() - t)
-  return {k: float(np.median(v)) * 1e3 for k, v in times.items()}
-
-
-def lscpu_model() -> str:
-  try:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-  except OSError:
-    return platform.processor()
-  return next((l.split(":", 1)[1].strip() for l in out.splitlines()
-               if l.startswith("Model name")), platform.processor())
+      times[k].append(timed(call))
+  return {k: median(v) * 1e3 for k, v in times.items()}
 
 
 def main(argv=None) -> int:
@@ -112,8 +95,7 @@ def main(argv=None) -> int:
     raise SystemExit("bench_verify: the native kernel is not available")
   model = load_model("smollm2-135m")
   ints = lambda s: [int(x) for x in s.split(",")]
-  out = dict(host=lscpu_model(), git_sha=git_sha(), jax=jax.__version__,
-             level=args.level)
+  out = dict(machine=machine(), git_sha=git_sha(), level=args.level)
   if args.level == "forward":
     tokens = (1, 2, 4, 8, 16)
     ms = time_round_robin(forward_calls(model, ints(args.batch), tokens),

@@ -59,21 +59,28 @@ DRAFT_VOCAB = 16384
 WINDOW = 10
 
 
-def forward_program(cfg: ModelConfig, params, B: int, T: int, context: int):
-  """``(jitted forward, argument shapes)`` for ``params`` (shapes): logits
-  and the cache back with its lengths unchanged, the cache donated."""
+def donated_forward(cfg: ModelConfig):
+  """Jitted ``(params, tokens_BT, cache) -> (logits, cache)``: the cache
+  donated and returned with its lengths unchanged, so calls fed their own
+  output write in place like decode steps and always see the same context."""
   def fwd(params, tokens_BT, cache):
     out = llama.forward(params, cfg, tokens_BT, cache)
     return out.logits, out.cache.with_lengths(cache.lengths)
-  dtype = params.embed.dtype
-  cache = jax.eval_shape(lambda: _cache(cfg, B, context, dtype))
-  tokens = jax.ShapeDtypeStruct((B, T), jnp.int32)
-  return jax.jit(fwd, donate_argnums=2), (params, tokens, cache)
+  return jax.jit(fwd, donate_argnums=2)
 
 
-def _cache(cfg, B, context, dtype):
+def context_cache(cfg: ModelConfig, B: int, context: int, dtype=jnp.float32):
+  """A cache of capacity ``2 * context`` holding ``context`` tokens a row."""
   return llama.init_cache(cfg, B, 2 * context, dtype).with_lengths(
       jnp.full((B,), context, jnp.int32))
+
+
+def forward_program(cfg: ModelConfig, params, B: int, T: int, context: int):
+  """``(donated_forward, argument shapes)`` for ``params`` (shapes)."""
+  cache = jax.eval_shape(
+      lambda: context_cache(cfg, B, context, params.embed.dtype))
+  tokens = jax.ShapeDtypeStruct((B, T), jnp.int32)
+  return donated_forward(cfg), (params, tokens, cache)
 
 
 def head_program(cfg: ModelConfig, B: int, K: int, dtype, context: int):
@@ -139,7 +146,7 @@ def forward_group(shape: str, dtype: str, compiled: dict, batches, tokens,
   params = llama.random_params(jax.random.key(0), cfg, dtype=jnp.dtype(dtype))
   rows = []
   for B in batches:
-    holder = [_cache(cfg, B, context, jnp.dtype(dtype))]
+    holder = [context_cache(cfg, B, context, jnp.dtype(dtype))]
     for T in tokens:
       run = compiled[("fwd", shape, dtype, B, T)]
       tokens_BT = jnp.ones((B, T), jnp.int32)

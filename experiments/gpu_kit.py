@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import runpy
 import os
@@ -150,7 +151,7 @@ def cmd_pack(args) -> int:
       wheels=pin(LOOSE + TARRED), pinned=pin(kit_device.PINNED),
       device_python=DEVICE_PYTHON, init_head=in_tree or (
           kit_device.INIT_HEAD if args.init_head else ""),
-      init_head_in_tree=bool(in_tree), target_config=_asdict(model.config),
+      init_head_in_tree=bool(in_tree), target_config=dataclasses.asdict(model.config),
       train_rows=len(train), heldout_rows=len(heldout))
   tar.unlink()
   for i in range(len(parts)):  # every call can check what it has
@@ -161,11 +162,6 @@ def cmd_pack(args) -> int:
                             "init_head"], wheels=manifest["wheels"])))
   print_plan(part_sizes(), tree)
   return 0
-
-
-def _asdict(mcfg) -> dict:
-  import dataclasses
-  return dataclasses.asdict(mcfg)
 
 
 def dir_bytes(d: pathlib.Path) -> int:
@@ -185,7 +181,7 @@ def print_plan(sizes: list[int], tree: int) -> dict:
   for c, row in zip(kit_plan.calls(sizes), plan["calls"]):
     print(f"device call {c.n} ({c.role}, ~{row['seconds']:.0f} s with start "
           f"and transfer, {row['carried_mib']} MiB): carry={list(c.carry)} "
-          f"timeout_s={c.timeout_s if c.role != 'train' else 'B+30'} "
+          f"timeout_s={c.timeout_s or f'B+{kit_plan.TIMEOUT_MARGIN_S}'} "
           f"command='{c.command}'")
   print("Call 1 exits 1 on a failed first contact: give_back at once, fix, "
         "start again. Otherwise make the calls back to back (the machine "
@@ -270,8 +266,8 @@ def cmd_rehearse(args) -> int:
   extra = dict(first=" ".join([f"--curve-args='{args.curve_args}'",
                                f"--probe-args='{args.probe_args}'",
                                f"--probe-timeout {args.probe_timeout}",
-                               *kit_device._sets(args.set)]),
-               train=" ".join(kit_device._sets(args.set)))
+                               *kit_device.set_args(args.set)]),
+               train=" ".join(kit_device.set_args(args.set)))
   outs = []
   # This interpreter is the device's python3 (the device image's has JAX).
   bins = os.pathsep.join([str(pathlib.Path(sys.executable).parent),
@@ -317,15 +313,10 @@ def cmd_rehearse(args) -> int:
 
 
 def copy_tree(dest: pathlib.Path) -> None:
-  """What a device call sends: tracked and untracked, not ignored files."""
-  names = subprocess.run(
-      ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-      cwd=ROOT, check=True, capture_output=True).stdout.split(b"\0")
-  for n in filter(None, names):
-    src = ROOT / n.decode()
-    if src.is_file():
-      (dest / n.decode()).parent.mkdir(parents=True, exist_ok=True)
-      shutil.copy2(src, dest / n.decode())
+  """What a device call sends (``kit_files.tree_files``), copied to dest."""
+  for name in kit_files.tree_files():
+    (dest / name).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(kit_files.ROOT / name, dest / name)
 
 
 def main(argv=None) -> int:

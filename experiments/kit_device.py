@@ -141,17 +141,24 @@ def child_env(paths) -> dict:
        *filter(None, [os.environ.get("PYTHONPATH")])]))
 
 
+def run_child(argv: list[str], paths, timeout: float) -> int:
+  """Exit code of ``python argv`` with ``paths`` ahead on PYTHONPATH; 124
+  (said in one line) when it outlasts ``timeout`` seconds."""
+  try:
+    return subprocess.run([sys.executable, *argv], env=child_env(paths),
+                          timeout=timeout).returncode
+  except subprocess.TimeoutExpired:
+    print(f"gpu_kit: {argv[0]} timed out after {timeout:.0f} s", flush=True)
+    return 124
+
+
 def first_passing(candidates: list[list[pathlib.Path]], argv: list[str],
                   timeout: float = SMOKE_TIMEOUT_S) -> list[pathlib.Path]:
   """The first list of package folders with which ``python argv`` exits 0
   within ``timeout`` seconds, each tried on PYTHONPATH ahead of the
   machine's own packages."""
   for i, paths in enumerate(candidates):
-    try:
-      rc = subprocess.run([sys.executable, *argv], env=child_env(paths),
-                          timeout=timeout).returncode
-    except subprocess.TimeoutExpired:
-      rc = f"timeout after {timeout:.0f} s"
+    rc = run_child(argv, paths, timeout)
     if rc == 0:
       return paths
     print(f"gpu_kit: failed ({rc}) with package folders "
@@ -159,15 +166,6 @@ def first_passing(candidates: list[list[pathlib.Path]], argv: list[str],
           + ("; trying the next" if i + 1 < len(candidates) else ""),
           flush=True)
   raise ValueError("every package set failed the smoke run (output above)")
-
-
-def run_child(argv: list[str], paths, timeout: float) -> int:
-  try:
-    return subprocess.run([sys.executable, *argv], env=child_env(paths),
-                          timeout=timeout).returncode
-  except subprocess.TimeoutExpired:
-    print(f"gpu_kit: {argv[0]} timed out after {timeout:.0f} s", flush=True)
-    return 124
 
 
 def package_paths(scratch: pathlib.Path) -> list[pathlib.Path]:
@@ -225,7 +223,7 @@ def cmd_first(args) -> int:
   report["cost_curve_rc"] = rc
   rc = ph.run("probe", run_child, [GPU_KIT, "probe", "--scratch",
                                    str(scratch), *args.probe_args.split(),
-                                   *_sets(args.set)],
+                                   *set_args(args.set)],
               paths, args.probe_timeout)
   if (scratch / "plan.json").is_file():
     shutil.copyfile(scratch / "plan.json", out / "plan.json")
@@ -235,7 +233,8 @@ def cmd_first(args) -> int:
   return 0 if rc == 0 else 1
 
 
-def _sets(assignments) -> list[str]:
+def set_args(assignments) -> list[str]:
+  """``--set`` overrides as arguments of a child command."""
   return [x for a in assignments for x in ("--set", a)]
 
 

@@ -69,15 +69,17 @@ def join_parts(found: list[pathlib.Path], records: list[dict],
   return dest
 
 
-def tree_bytes() -> int:
+def tree_files() -> list[str]:
   """What a device call sends besides carried paths: tracked and untracked,
-  not ignored files."""
+  not ignored files (paths relative to the repository)."""
   names = subprocess.run(
       ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
       cwd=ROOT, check=True, capture_output=True).stdout.split(b"\0")
-  return sum((ROOT / n.decode()).stat().st_size for n in names
-             if n and (ROOT / n.decode()).is_file())
+  return [n.decode() for n in names if n and (ROOT / n.decode()).is_file()]
 
+
+def tree_bytes() -> int:
+  return sum((ROOT / n).stat().st_size for n in tree_files())
 
 
 def save_examples(path: pathlib.Path, train, heldout) -> None:

@@ -42,13 +42,14 @@ DEVICE_S = dict(
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-  """One device call: carry, command, timeout and the seconds it should
-  run (the command's own work, without start or transfer)."""
+  """One device call: carry, command, timeout (None for the last: B + the
+  margin) and the seconds it should run (the command's own work, without
+  start or transfer)."""
   n: int
   role: str
   carry: tuple[str, ...]
   command: str
-  timeout_s: int
+  timeout_s: int | None
   expect_s: float
 
 
@@ -83,9 +84,10 @@ def calls(parts: list[int], platform: str = "cuda",
   seq.append(Call(max(n, 2), "train", last, command(
       "train", platform, extra.get("train", "")), 0, 0.0))
   # Twice the stated time: a stated cost is a guess, a cut call returns
-  # only what it wrote. The last call's timeout is B + the margin.
-  return [dataclasses.replace(c, timeout_s=int(min(
-      2 * c.expect_s + TIMEOUT_MARGIN_S, COMMAND_S - TIMEOUT_MARGIN_S)))
+  # only what it wrote. The last call's timeout (None here) is B + the
+  # margin, B read off the reply before it (last_budget_rule).
+  return [dataclasses.replace(c, timeout_s=None if c.role == "train" else int(
+      min(2 * c.expect_s + TIMEOUT_MARGIN_S, COMMAND_S - TIMEOUT_MARGIN_S)))
           for c in seq]
 
 

@@ -9,9 +9,8 @@
 // a panel is one contiguous run of K * 64 bytes, read front to back. Rows go
 // in blocks of up to 6 (12 ymm accumulators on AVX2 + the panel row's two
 // vectors + a broadcast); a further block re-reads the panel from L2 (K * 64
-// bytes: 96 KB for K = 1536). Measured against a 12-row block over 8-column
-// panels: that one is slower for 1-6 rows (one FMA chain a row). Panels are shared out
-// over XLA's intra-op thread pool. AVX2 + FMA where the CPU has them (an
+// bytes: 96 KB for K = 1536). Variants measured and dropped: DESIGN.md.
+// Panels are shared out over XLA's intra-op thread pool. AVX2 + FMA where the CPU has them (an
 // AVX-512 variant is still to come), else plain C++.
 #include <immintrin.h>
 

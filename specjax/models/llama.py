@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from specjax import native
 from specjax.cache import KVCache, write_kv
 from specjax.models.config import ModelConfig
 
@@ -66,7 +67,6 @@ def linear(x: jax.Array, w) -> jax.Array:
   ``PackedWeight`` (the native kernel, f32)."""
   if not isinstance(w, PackedWeight):
     return x @ w
-  from specjax import native
   *lead, K = x.shape
   return native.small_matmul(x.reshape(-1, K), w.panels, w.n).reshape(
       *lead, w.n)
@@ -113,7 +113,6 @@ def pack_params(params: LlamaParams) -> LlamaParams:
   pre-arranged for the native small-row matmul (``specjax.native``; it must
   be ``available()``). A tied LM head gets its own packed copy of the
   embedding (V x D more floats); the embedding stays as it is for lookups."""
-  from specjax import native
   if params.embed.dtype != jnp.float32:
     raise ValueError(f"the native matmul is f32; these weights are "
                      f"{params.embed.dtype}")
