@@ -29,7 +29,8 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from experiments.common import CHAT_PROMPTS, machine, median, timed  # noqa: E402
 from specjax.bench import git_sha  # noqa: E402
-from specjax import assets, bucketing, engine  # noqa: E402
+from specjax import assets, bucketing, engine, native  # noqa: E402
+from specjax.models import llama  # noqa: E402
 from specjax.models.registry import load_model  # noqa: E402
 from specjax.models.weights import num_params  # noqa: E402
 
@@ -41,15 +42,20 @@ def main(argv=None):
   ap.add_argument("--repeats", type=int, default=5)
   ap.add_argument("--batch-sizes", default="1,8")
   ap.add_argument("--no-hf", action="store_true", help="skip transformers")
+  ap.add_argument("--xla", action="store_true",
+                  help="XLA's dot instead of the native CPU kernel")
   ap.add_argument("--out", default="experiments/results/bench_ar.json")
   args = ap.parse_args(argv)
   batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
 
-  model = load_model("smollm2-135m")
+  model = load_model("smollm2-135m", native=False)
   cfg, params = model.config, model.params
   prompts = [model.tokenizer.encode_chat(p) for p in CHAT_PROMPTS]
 
   weight_bytes = num_params(params) * params.embed.dtype.itemsize
+  matmul = "xla" if args.xla or not native.default_on(jnp.float32) else "native"
+  if matmul == "native":
+    params = llama.pack_params(params)
   buf = jnp.ones((weight_bytes // 4,), jnp.float32)
   read = jax.jit(jnp.sum)
 
@@ -99,7 +105,7 @@ def main(argv=None):
   read_s = median(t["read"])
   result = dict(
       benchmark="ar_decode", model=cfg.name, new_tokens=NEW_TOKENS,
-      dtype=str(params.embed.dtype), repeats=args.repeats,
+      dtype=str(params.embed.dtype), matmul=matmul, repeats=args.repeats,
       weight_bytes=weight_bytes, weight_read_ms=round(read_s * 1e3, 2),
       read_bandwidth_gb_s=round(weight_bytes / read_s / 1e9, 1),
       git_sha=git_sha(), machine=machine(), batches={})

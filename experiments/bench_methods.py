@@ -48,32 +48,32 @@ def main(argv=None):
   ap.add_argument("--json", default=None)
   ap.add_argument("--journal", default=None,
                   help="finished batches go here; a rerun resumes after them")
-  ap.add_argument("--native", action="store_true",
-                  help="the target's matmuls on the native small-row kernel "
-                  "(llama.pack_params), for AR and every method alike")
+  ap.add_argument("--xla", action="store_true",
+                  help="the target's matmuls on XLA's dot, for AR and every "
+                  "method alike (default: the native small-row kernel where "
+                  "load_model uses it: CPU, f32, built)")
   args = ap.parse_args(argv)
   for path in (args.json, args.journal):  # fail now, not after an hour
     if path:
       open(path, "a", encoding="utf-8").close()
 
   from specjax import bench, data, methods
+  from specjax.models.llama import PackedWeight
   from specjax.models.registry import load_model
   from specjax.sampling import SamplingParams
   specs = [parse_spec(s) for s in args.specs]
-  model = load_model("smollm2-135m")
+  model = load_model("smollm2-135m", native=False if args.xla else None)
   prompts = data.load_prompts(args.dataset, args.num_prompts)
   chat = args.dataset != "humaneval"
   ids = [model.tokenizer.encode_chat(p) if chat else model.tokenizer.encode(p)
          for p in prompts]
   built = [(s, *methods.build(model, s)) for s in specs]
-  if args.native:
-    import dataclasses
 
-    from specjax.models.llama import pack_params
-    model = dataclasses.replace(model, params=pack_params(model.params))
+  matmul = ("native" if isinstance(model.params.layers[0].wqkv, PackedWeight)
+            else "xla")
 
   def emit(result):
-    line = json.dumps(dict(result, native=args.native))
+    line = json.dumps(dict(result, matmul=matmul))
     print(line, flush=True)
     if args.json:
       with open(args.json, "a", encoding="utf-8") as f:

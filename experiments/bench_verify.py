@@ -93,7 +93,7 @@ def main(argv=None) -> int:
   args = ap.parse_args(argv)
   if not native.available():
     raise SystemExit("bench_verify: the native kernel is not available")
-  model = load_model("smollm2-135m")
+  model = load_model("smollm2-135m", native=False)
   ints = lambda s: [int(x) for x in s.split(",")]
   out = dict(machine=machine(), git_sha=git_sha(), level=args.level)
   if args.level == "forward":

@@ -44,6 +44,14 @@ def available() -> bool:
   return _status["ok"]
 
 
+def default_on(dtype) -> bool:
+  """Whether a model is packed for the kernel unless told otherwise
+  (``registry.load_model``): JAX's default backend is the CPU, the weights
+  are f32 and the kernel is ``available()``. Elsewhere XLA's dot is the path."""
+  return (jax.default_backend() == "cpu"
+          and jnp.dtype(dtype) == jnp.float32 and available())
+
+
 def _load():
   """None when registered, else why not."""
   if os.environ.get("SPECJAX_NATIVE", "1") == "0":
@@ -68,13 +76,20 @@ def pack(w_KN: jax.Array) -> jax.Array:
   return w.reshape(K, P, LANES).transpose(1, 0, 2)
 
 
+def unpack(packed_PKL: jax.Array, n: int) -> jax.Array:
+  """The ``[K, n]`` weight back from ``pack``'s panels."""
+  P, K, L = packed_PKL.shape
+  return packed_PKL.transpose(1, 0, 2).reshape(K, P * L)[:, :n]
+
+
 def small_matmul(x_MK: jax.Array, packed_PKL: jax.Array, n: int
                  ) -> jax.Array:
   """``x @ W`` as ``f32[M, n]`` for ``packed = pack(W)`` (W: ``[K, n]``).
   The native kernel when ``available()``, else XLA on the packed layout."""
   M, K = x_MK.shape
   if available():
-    return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((M, n), jnp.float32))(
+    return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((M, n), jnp.float32),
+                            vmap_method="sequential")(
         x_MK.astype(jnp.float32), packed_PKL.astype(jnp.float32))
   y = jnp.einsum("mk,pkl->mpl", x_MK, packed_PKL,
                  preferred_element_type=jnp.float32)

@@ -24,6 +24,7 @@ def test_small_matmul_equals_xla_dot(K, N):
   w = jnp.asarray(rng.standard_normal((K, N)), jnp.float32)
   packed = native.pack(w)
   assert packed.shape == (-(-N // native.LANES), K, native.LANES)
+  np.testing.assert_array_equal(native.unpack(packed, N), w)
   f = jax.jit(lambda x, p: native.small_matmul(x, p, N))
   for M in ROWS:
     x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
@@ -67,6 +68,25 @@ def test_switched_off_it_warns_once_and_uses_xla(monkeypatch):
   monkeypatch.delenv("SPECJAX_NATIVE")
   with pytest.warns(RuntimeWarning, match="none.so not built"):
     assert not native.available()
+
+
+def test_on_by_default_only_for_f32_on_the_cpu(monkeypatch):
+  """Invariant: ``load_model`` packs (``default_on``) for f32 weights on the
+  CPU backend with the kernel available, and for nothing else."""
+  assert native.default_on(jnp.float32)
+  assert not native.default_on(jnp.bfloat16)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert not native.default_on(jnp.float32)
+
+
+def test_vmap_over_the_custom_call():
+  """Invariant: a vmapped forward (the custom call has a batching rule)
+  equals the dot."""
+  rng = np.random.default_rng(4)
+  w = jnp.asarray(rng.standard_normal((24, 40)), jnp.float32)
+  x = jnp.asarray(rng.standard_normal((3, 2, 24)), jnp.float32)
+  f = jax.vmap(lambda x: native.small_matmul(x, native.pack(w), 40))
+  np.testing.assert_allclose(jax.jit(f)(x), x @ w, rtol=1e-5, atol=1e-5)
 
 
 def _logits(params, cfg, prompt_BT, new_BT):
@@ -120,7 +140,10 @@ def test_packed_smollm2_logits_equal_xla(smollm2):
                                  "capital of Italy is")
   prompt = jnp.asarray([ids, ids[::-1]], jnp.int32)
   new = jnp.asarray([ids[:8], ids[-8:]], jnp.int32)
-  packed = llama.pack_params(smollm2.params)
+  from specjax.models.registry import load_model
+  plain = load_model("smollm2-135m", native=False).params
+  packed = llama.pack_params(plain)
+  np.testing.assert_array_equal(llama.lm_head_VD(packed), plain.embed)
   for a, b in zip(_logits(packed, smollm2.config, prompt, new),
-                  _logits(smollm2.params, smollm2.config, prompt, new)):
+                  _logits(plain, smollm2.config, prompt, new)):
     _assert_close(a, b)

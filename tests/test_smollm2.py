@@ -127,3 +127,18 @@ def test_speculative_greedy_identity(smollm2, ar_rows, method,
   assert sum(sum(r.accepted_at) for r in spec.rows) > 0
   if method == "eagle3_shipped_dynamic_k":
     assert 0 < spec.num_wide_steps < spec.num_steps
+
+
+def test_greedy_identical_on_xla_dot(smollm2, ar_rows):
+  """Invariants: the shared fixture decodes on the native CPU matmul
+  (``load_model``'s default on the CPU), and the same model on XLA's dot
+  (``native=False``) emits the same greedy tokens for the same ragged
+  batch."""
+  from specjax.models.registry import load_model
+  assert isinstance(smollm2.params.layers[0].wqkv, llama.PackedWeight)
+  plain = load_model("smollm2-135m", native=False)
+  assert not isinstance(plain.params.layers[0].wqkv, llama.PackedWeight)
+  prompts, ar = ar_rows
+  xla = runner.generate_ids(plain, prompts, max_new_tokens=40)
+  assert [r.output_ids for r in xla.rows] == [r.output_ids for r in ar.rows]
+

@@ -15,6 +15,8 @@ import jax
 import numpy as np
 from flax import struct
 
+from specjax.models.llama import lm_head_VD
+
 
 @struct.dataclass
 class DraftVocab:
@@ -57,6 +59,5 @@ def build_draft_vocab(token_streams: Iterable[Sequence[int]], vocab_size: int,
 def draft_rows(target_params, vocab: DraftVocab) -> jax.Array:
   """The target's LM-head rows of the draft vocabulary, ``[Vd, D]``: the
   head's LM-head init and the recomputed target logits of a feature cache."""
-  out_VD = (target_params.embed if target_params.lm_head is None
-            else target_params.lm_head)
-  return jax.numpy.asarray(out_VD)[jax.numpy.asarray(vocab.ids)]
+  return jax.numpy.asarray(lm_head_VD(target_params))[
+      jax.numpy.asarray(vocab.ids)]

@@ -120,8 +120,18 @@ def pack_params(params: LlamaParams) -> LlamaParams:
   layers = tuple(lp.replace(wqkv=pk(lp.wqkv), wo=pk(lp.wo),
                             w_gate_up=pk(lp.w_gate_up), w_down=pk(lp.w_down))
                  for lp in params.layers)
-  head_VD = params.embed if params.lm_head is None else params.lm_head
-  return params.replace(layers=layers, lm_head=pk(head_VD.T))
+  return params.replace(layers=layers, lm_head=pk(lm_head_VD(params).T))
+
+
+def lm_head_VD(params: LlamaParams) -> jax.Array:
+  """The output projection as ``[V, D]``, whether tied to ``embed``, plain
+  or packed (``pack_params``)."""
+  w = params.lm_head
+  if w is None:
+    return params.embed
+  if isinstance(w, PackedWeight):
+    return native.unpack(w.panels, w.n).T
+  return w
 
 
 @struct.dataclass

