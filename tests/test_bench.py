@@ -1,6 +1,7 @@
 """``specjax.bench``: the JSON contract and the bookkeeping behind it."""
 
 import numpy as np
+import pytest
 
 from specjax import bench, methods
 from specjax.sampling import SamplingParams
@@ -11,6 +12,7 @@ CONTRACT = ("method", "dataset", "temperature", "num_prompts", "new_tokens",
             "config", "git_sha")
 
 
+@pytest.mark.long
 def test_bench_contract_on_smollm2(smollm2):
   """Invariants on a small real run (2 prompts, n-gram, K = 3, T = 0):
   every contract field is present; greedy output equals AR; the accepted
@@ -45,6 +47,7 @@ def test_bench_contract_on_smollm2(smollm2):
   assert res["speedup"] > 0 and res["predicted_speedup"] > 0
 
 
+@pytest.mark.long
 def test_journal_resumes_a_cut_run(smollm2, tmp_path, monkeypatch):
   """A benchmark rerun with its journal decodes only the batches missing
   from it and reports what an uninterrupted run reports (everything but

@@ -150,6 +150,7 @@ def test_prompt_longer_than_context(capsys, tmp_path):
                       "context of 8192")
 
 
+@pytest.mark.long
 def test_generate_json_contract(tmp_path):
   """Invariant: --json prints one object per prompt with the documented fields,
   output_ids are the new tokens only, and text decodes them; greedy is

@@ -40,6 +40,7 @@ CFG = etrain.TrainConfig(heldout=2, max_len=12, batch_size=2, steps=6,
                          checkpoint_every=2, keep=2, log_every=1)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("feature_cache", [0, 5])
 def test_resume_after_interruption_matches_uninterrupted(tiny_model,
                                                          tmp_path,
@@ -260,6 +261,7 @@ def test_eagle1_keeps_target_copies_frozen(tiny_model, tmp_path):
   assert not np.allclose(run.params["fc"]["kernel"], init["fc"]["kernel"])
 
 
+@pytest.mark.long
 def test_heldout_accuracy_ignores_batch_padding(tiny_model, tmp_path):
   """Invariants: held-out acceptance does not depend on the batch size (the
   last, wrapped batch is masked out); with Vd = the whole vocabulary every

@@ -81,6 +81,7 @@ def _loop_loss(params, embed, batch, K, decay=0.8, stop_feedback=False):
   return total, jnp.stack(accs)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("K,fused,bucket", [(1, True, None), (7, True, None),
                                             (3, False, None), (7, True, 5)])
 def test_scan_equals_explicit_loop(K, fused, bucket):
@@ -105,6 +106,7 @@ def test_scan_equals_explicit_loop(K, fused, bucket):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.long
 def test_gradients_flow_through_fed_back_features():
   """Invariant: the loss of later steps backpropagates through the head's
   own fed-back output (the point of TTT): cutting that path changes the
@@ -143,6 +145,7 @@ def test_head_config_must_fit_the_target():
       CFG.check_fits(bad)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("variant", ["eagle3", "eagle1"])
 def test_eagle_chain_drafting_greedy_identity(tmp_path, variant):
   """Invariants with an untrained head on a tiny target, ragged batch, for
@@ -236,6 +239,7 @@ def test_eagle_chain_drafting_greedy_identity(tmp_path, variant):
   assert acc[0] > 0.8 and acc[k - 1] > 0.5, acc
 
 
+@pytest.mark.long
 def test_leviathan_with_real_head_draft_probabilities(tmp_path):
   """Invariant: with the draft distributions an EAGLE-3 head really proposes
   from (T = 1, draft vocabulary 29 of 37 tokens: zero mass outside) and the

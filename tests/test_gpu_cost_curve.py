@@ -3,9 +3,12 @@ CPU with a tiny shape: what a lease's first call runs and brings back."""
 
 import json
 
+import pytest
+
 from experiments import gpu_cost_curve
 
 
+@pytest.mark.long
 def test_cost_curve_times_forwards_and_head_steps(tmp_path):
   """Invariant: every (batch, tokens) forward and both head Ks are timed
   (positive ms; T = 1 has ratio 1) and written as JSON; a deadline already

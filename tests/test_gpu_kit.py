@@ -109,6 +109,7 @@ def test_check_reports_parts_and_fails_on_damage_or_mixed_packs(
   assert "different packs" in capsys.readouterr().err
 
 
+@pytest.mark.long
 def test_smoke_runs_the_trainer_through_a_resume(tmp_path):
   """Invariant: the device-side smoke run imports what the run needs,
   trains, checkpoints, resumes to its last step with finite losses and
@@ -258,6 +259,7 @@ def test_pip_download_asks_for_the_device_python(monkeypatch, tmp_path):
   assert os.path.samefile(argv[argv.index("-d") + 1], tmp_path)
 
 
+@pytest.mark.long
 def test_last_call_sizes_the_run_and_compares_decoding(tmp_path):
   """Invariants: the last call sizes the run so that training ends where
   scoring and writes still fit (steps x the slower of the probe's and its

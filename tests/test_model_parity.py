@@ -53,6 +53,7 @@ def test_prefill_then_decode_equals_full_forward(tiny):
   np.testing.assert_array_equal(cache.lengths, [T, T])
 
 
+@pytest.mark.long
 def test_ragged_batch_equals_rows_alone(tiny):
   """Invariant: rows of different lengths in one batch (right-padded prefill,
   lengths rolled back, then decode) give each row's logits as if run alone."""

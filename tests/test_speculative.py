@@ -231,6 +231,7 @@ def _chi2(counts, expected):
   return stat, scipy.stats.chi2.ppf(0.999, len(obs) - 1)
 
 
+@pytest.mark.long
 def test_dynamic_k_keeps_sampling_exact(tiny, tiny_draft, monkeypatch):
   """Invariant (T = 1, 50,000 rows through the real engine): with dynamic K
   the first two generated tokens follow the target's joint distribution

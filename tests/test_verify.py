@@ -147,6 +147,7 @@ def test_with_warping(sp):
   assert stat < crit, (stat, crit)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("mutation", ["correction_from_q", "accept_p_over_q"])
 def test_check_catches_wrong_verifiers(mutation, monkeypatch):
   """Invariant (mutation check): the same chi-square check FAILS for a
