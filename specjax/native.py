@@ -1,4 +1,5 @@
-"""A CPU matmul for a few rows, as an XLA custom call (issue 17, first slice).
+"""CPU kernels for decode and verify steps, as XLA custom calls (issue 17):
+a matmul for a few rows and attention over the cache slots in use.
 
 Decode and verify forwards multiply M = batch x tokens <= 64 rows by weights
 far larger than any cache; XLA CPU's dot runs that shape well below the
@@ -7,13 +8,16 @@ this CPU"). ``small_matmul`` calls ``specjax/kernels/small_gemm.cc`` through
 ``jax.ffi``: part of the compiled program, not a host callback, so it stays
 inside ``jit`` and ``lax.while_loop``. The weight must be ``pack``-ed once
 into 16-column panels (``[ceil(N / 16), K, 16]``), which the kernel reads
-front to back.
+front to back. ``attention`` (``kernels/attention.cc``) is the decode and
+verify attention of packed models (``llama.forward``): XLA's spends a third
+of a decode step on every slot of the cache; it reads only the slots in use.
 
 The shared library is built by the README's set-up command (``make
 install``: ``g++`` against ``jax.ffi.include_dir()``). When it is missing or
 fails to load, or ``SPECJAX_NATIVE=0`` is set, ``available()`` is False with
-one warning line saying why, and ``small_matmul`` computes the same product
-with XLA on the packed layout. Forward only: it has no VJP.
+one warning line saying why, ``small_matmul`` computes the same product
+with XLA on the packed layout and ``llama.forward`` uses XLA's attention.
+Forward only: neither has a VJP.
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-LIBRARY = pathlib.Path(__file__).with_name("kernels") / "_small_gemm.so"
+LIBRARY = pathlib.Path(__file__).with_name("kernels") / "_native.so"
 TARGET = "specjax_small_gemm"
+ATTENTION = "specjax_attention"
 LANES = 16  # output columns per panel (small_gemm.cc: kLanes)
 _status: dict = {}
 
@@ -39,8 +44,8 @@ def available() -> bool:
     reason = _load()
     _status["ok"] = reason is None
     if reason:
-      warnings.warn(f"specjax: native small matmul off ({reason}); using "
-                    "XLA's dot", RuntimeWarning, stacklevel=2)
+      warnings.warn(f"specjax: native CPU kernels off ({reason}); using "
+                    "XLA's ops", RuntimeWarning, stacklevel=2)
   return _status["ok"]
 
 
@@ -60,8 +65,10 @@ def _load():
     return f"{LIBRARY.name} not built: run `make install`"
   try:
     lib = ctypes.cdll.LoadLibrary(str(LIBRARY))
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.SpecjaxSmallGemm),
-                                platform="cpu")
+    for target, fn in ((TARGET, lib.SpecjaxSmallGemm),
+                       (ATTENTION, lib.SpecjaxAttention)):
+      jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn),
+                                  platform="cpu")
   except (OSError, AttributeError, RuntimeError) as e:
     return f"{LIBRARY.name} failed to load: {e}"
   return None
@@ -94,3 +101,23 @@ def small_matmul(x_MK: jax.Array, packed_PKL: jax.Array, n: int
   y = jnp.einsum("mk,pkl->mpl", x_MK, packed_PKL,
                  preferred_element_type=jnp.float32)
   return y.reshape(M, -1)[:, :n]
+
+
+def attention(q_BTNH: jax.Array, k_BGHS: jax.Array, v_BGSH: jax.Array,
+              lengths_B: jax.Array, mask_BTT: jax.Array) -> jax.Array:
+  """``f32[B, T, N * H]``: the T new queries of each row attend over its
+  cache (the new keys/values already written at ``lengths + arange(T)``):
+  slot s is visible to new token t iff ``s < lengths[b]`` or it is new
+  token u with ``mask[b, t, u]``. Reads only the slots in use; needs
+  ``available()`` (``llama.forward`` falls back to XLA's attention)."""
+  if not available():
+    raise RuntimeError("native.attention: the native library is not "
+                       "available (see the warning)")
+  B, T, N, H = q_BTNH.shape
+  out = jax.ffi.ffi_call(
+      ATTENTION, jax.ShapeDtypeStruct((B, T, N, H), jnp.float32),
+      vmap_method="sequential")(
+          q_BTNH.astype(jnp.float32), k_BGHS.astype(jnp.float32),
+          v_BGSH.astype(jnp.float32), lengths_B.astype(jnp.int32),
+          mask_BTT.astype(bool))
+  return out.reshape(B, T, N * H)

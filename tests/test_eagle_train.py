@@ -75,6 +75,7 @@ def test_resume_after_interruption_matches_uninterrupted(tiny_model,
   assert full.losses[5] < full.losses[0]
 
 
+@pytest.mark.long
 def test_deadline_stops_with_a_checkpoint_and_resumes(tiny_model, tmp_path):
   """Invariant: a run past its deadline stops after the step in flight with
   a checkpoint at that step (unlike a kill, which loses the steps since the

@@ -1,6 +1,7 @@
-"""The native small-row matmul (specjax/native.py, specjax/kernels/): the
-same product as XLA's dot for every row count a decode or verify step uses,
-inside compiled loops, and an XLA fallback that says why it is used."""
+"""The native CPU kernels (specjax/native.py, specjax/kernels/): the small-row
+matmul gives XLA's product for every row count a decode or verify step uses,
+inside compiled loops; the attention gives XLA's over ragged caches and tree
+masks; an XLA fallback says why it is used."""
 
 import jax
 import jax.numpy as jnp
@@ -87,6 +88,33 @@ def test_vmap_over_the_custom_call():
   x = jnp.asarray(rng.standard_normal((3, 2, 24)), jnp.float32)
   f = jax.vmap(lambda x: native.small_matmul(x, native.pack(w), 40))
   np.testing.assert_allclose(jax.jit(f)(x), x @ w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("B,T,N,G,H,S,lengths", [
+    (1, 1, 9, 3, 64, 512, [256]),  # SmolLM2 decode
+    (3, 5, 4, 2, 8, 40, [0, 7, 35]),  # ragged, an empty row
+    (2, 8, 6, 3, 16, 20, [12, 3]),  # the last row's new tokens fill it
+    (2, 4, 4, 4, 8, 16, [14, 2])])  # new tokens past the capacity
+def test_attention_equals_xla_and_never_reads_stale_slots(B, T, N, G, H, S,
+                                                         lengths):
+  """Invariants: the native attention over a cache with ragged lengths and a
+  random tree mask (each token sees itself) equals ``llama._attention`` with
+  the additive mask (1e-5); with NaN/inf in every slot past a row's new
+  tokens the output is unchanged: stale slots are not read."""
+  from specjax.models import llama
+  rng = np.random.default_rng(B * T * S)
+  normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+  q, k, v = normal(B, T, N, H), normal(B, G, H, S), normal(B, G, S, H)
+  lens = jnp.asarray(lengths, jnp.int32)
+  mask = jnp.asarray(rng.random((B, T, T)) < 0.5) | jnp.eye(T, dtype=bool)[None]
+  bias = jnp.repeat(jnp.where(llama.attention_mask(lens, mask, S), 0.0,
+                              -1e30), N // G, axis=1)
+  ref = llama._attention(q, k, v, bias)
+  f = jax.jit(native.attention)
+  np.testing.assert_allclose(f(q, k, v, lens, mask), ref, atol=1e-5)
+  for b, used in enumerate(np.minimum(np.asarray(lengths) + T, S)):
+    k[b, :, :, used:], v[b, :, used:] = np.nan, np.inf
+  np.testing.assert_allclose(f(q, k, v, lens, mask), ref, atol=1e-5)
 
 
 def _logits(params, cfg, prompt_BT, new_BT):

@@ -18,12 +18,10 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -153,30 +151,11 @@ ffi::Error SmallGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const float* xp = x.typed_data();
   const float* wp = w.typed_data();
   float* yp = y->typed_data();
-  // Panels go out in chunks from a shared counter. The caller and the
-  // pool's threads take chunks until none is left; the caller then waits
-  // only for chunks already taken, which are running: it never waits on a
-  // task still queued behind other work (XLA may run several independent
-  // custom calls at once on the same pool). The state outlives the call
-  // for tasks that start after it returned; they find no chunk and end.
-  struct Shared {
-    std::atomic<int64_t> next{0}, done{0};
-  };
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t chunk = std::max<int64_t>(1, P / (4 * threads));
-  const int64_t chunks = (P + chunk - 1) / chunk;
-  auto shared = std::make_shared<Shared>();
-  auto work = [=](Shared& s) {
-    for (int64_t c; (c = s.next.fetch_add(1)) < chunks;) {
-      panels(xp, M, K, wp, N, c * chunk, std::min(P, (c + 1) * chunk), yp);
-      s.done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int64_t t = 1; t < std::min(threads, chunks); ++t)
-    pool.Schedule([shared, work] { work(*shared); });
-  work(*shared);
-  while (shared->done.load(std::memory_order_acquire) < chunks)
-    std::this_thread::yield();
+  specjax::parallel_for(pool, (P + chunk - 1) / chunk, [&](int64_t c) {
+    panels(xp, M, K, wp, N, c * chunk, std::min(P, (c + 1) * chunk), yp);
+  });
   return ffi::Error::Success();
 }
 

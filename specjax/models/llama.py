@@ -30,6 +30,7 @@ from specjax.cache import KVCache, write_kv
 from specjax.models.config import ModelConfig
 
 _NEG_INF = -1e30  # finite: a fully masked row must not produce NaNs
+NATIVE_ATTENTION_MAX_T = 64  # new tokens up to which packed models use it
 
 
 @struct.dataclass
@@ -110,9 +111,11 @@ def random_params(key: jax.Array, cfg: ModelConfig, scale: float = 0.02,
 
 def pack_params(params: LlamaParams) -> LlamaParams:
   """The same f32 model with every layer matmul and the LM head
-  pre-arranged for the native small-row matmul (``specjax.native``; it must
-  be ``available()``). A tied LM head gets its own packed copy of the
-  embedding (V x D more floats); the embedding stays as it is for lookups."""
+  pre-arranged for the native small-row matmul (``specjax.native``). A tied
+  LM head gets its own packed copy of the embedding (V x D more floats); the
+  embedding stays as it is for lookups. Packed weights put ``forward`` on
+  the native CPU path: the native attention too, for up to
+  ``NATIVE_ATTENTION_MAX_T`` new tokens, when ``native.available()``."""
   if params.embed.dtype != jnp.float32:
     raise ValueError(f"the native matmul is f32; these weights are "
                      f"{params.embed.dtype}")
@@ -261,6 +264,10 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens_BT: jax.Array,
   bias_BQS = jnp.repeat(jnp.where(mask_BTS, 0.0, _NEG_INF), cfg.group_size,
                         axis=1)  # query rows ordered (t, r), as in _attention
   slots_BT = cache.new_slots(T)
+  # Packed weights mean the native CPU path: its attention too, for decode,
+  # verify and tree widths (prefill's long T stays on XLA's batched dots).
+  native_attention = (isinstance(params.layers[0].wqkv, PackedWeight)
+                      and T <= NATIVE_ATTENTION_MAX_T and native.available())
 
   angles_BTh = (positions_BT[..., None].astype(jnp.float32)
                 * rope_inv_freq(cfg)[None, None, :])
@@ -283,7 +290,8 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens_BT: jax.Array,
     # Write first, then attend over the cache: reading the buffers before
     # the write would make XLA copy them to keep the old values alive.
     ks[i], vs[i] = write_kv(ks[i], vs[i], k, v, slots_BT)
-    attn = _attention(q, ks[i], vs[i], bias_BQS)
+    attn = (native.attention(q, ks[i], vs[i], lengths_B, mask_BTT)
+            if native_attention else _attention(q, ks[i], vs[i], bias_BQS))
     x_BTD = x_BTD + linear(attn, lp.wo)
     h = rms_norm(x_BTD, lp.mlp_norm, cfg.norm_eps)
     gate, up = jnp.split(linear(h, lp.w_gate_up), 2, axis=-1)
