@@ -154,8 +154,8 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     std::vector<float> scores((t1 - t0) * R * std::max<int64_t>(used, 1));
     const int64_t at = ((b * T + t0) * N + g * R) * H;
     kAttend(qp + at, kp + (b * G + g) * H * S, vp + (b * G + g) * S * H,
-           op + at, N * H, H, S, used, prefix, mp + b * T * T, t0, t1, T, R,
-           scores.data());
+            op + at, N * H, H, S, used, prefix, mp + b * T * T, t0, t1, T, R,
+            scores.data());
   });
   return ffi::Error::Success();
 }
