@@ -53,9 +53,9 @@ def main(argv=None):
   prompts = [model.tokenizer.encode_chat(p) for p in CHAT_PROMPTS]
 
   weight_bytes = num_params(params) * params.embed.dtype.itemsize
-  matmul = "xla" if args.xla or not native.default_on(jnp.float32) else "native"
-  if matmul == "native":
-    params = llama.pack_params(params)
+  if not args.xla and native.default_on(params.embed.dtype):
+    params = llama.pack_params(params)  # after counting the plain weights
+  matmul = "native" if llama.is_packed(params) else "xla"
   buf = jnp.ones((weight_bytes // 4,), jnp.float32)
   read = jax.jit(jnp.sum)
 

@@ -33,7 +33,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from experiments.bench_verify import weights_KN  # noqa: E402
+from experiments.bench_verify import programs, weights_KN  # noqa: E402
 from experiments.common import machine, median  # noqa: E402
 from specjax import native  # noqa: E402
 from specjax.bench import git_sha  # noqa: E402
@@ -41,13 +41,10 @@ from specjax.models.registry import load_model  # noqa: E402
 
 
 def jax_calls(ws: list, M: int) -> dict:
-  packed = [native.pack(w) for w in ws]
-  xs = [jnp.ones((M, w.shape[0]), jnp.float32) for w in ws]
-  nat = jax.jit(lambda xs, ps: [native.small_matmul(x, p, w.shape[1])
-                                for x, p, w in zip(xs, ps, ws)])
-  xla = jax.jit(lambda xs, ws: [x @ w for x, w in zip(xs, ws)])
-  return {"native": lambda: jax.block_until_ready(nat(xs, packed)),
-          "xla": lambda: jax.block_until_ready(xla(xs, ws))}
+  """The native and XLA programs of ``bench_verify.programs``."""
+  progs = programs(ws, [native.pack(w) for w in ws], M)
+  return {name: lambda fn=fn, a=a: jax.block_until_ready(fn(*a))
+          for name, (fn, a) in progs.items() if name != "read"}
 
 
 def library_calls(ws_np: list, M: int) -> dict:

@@ -58,7 +58,7 @@ def main(argv=None):
       open(path, "a", encoding="utf-8").close()
 
   from specjax import bench, data, methods
-  from specjax.models.llama import PackedWeight
+  from specjax.models.llama import is_packed
   from specjax.models.registry import load_model
   from specjax.sampling import SamplingParams
   specs = [parse_spec(s) for s in args.specs]
@@ -69,8 +69,7 @@ def main(argv=None):
          for p in prompts]
   built = [(s, *methods.build(model, s)) for s in specs]
 
-  matmul = ("native" if isinstance(model.params.layers[0].wqkv, PackedWeight)
-            else "xla")
+  matmul = "native" if is_packed(model.params) else "xla"
 
   def emit(result):
     line = json.dumps(dict(result, matmul=matmul))

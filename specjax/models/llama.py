@@ -63,6 +63,11 @@ class PackedWeight:
   n: int = struct.field(pytree_node=False)
 
 
+def is_packed(params: "LlamaParams") -> bool:
+  """Whether ``params`` went through ``pack_params``: the native CPU path."""
+  return isinstance(params.layers[0].wqkv, PackedWeight)
+
+
 def linear(x: jax.Array, w) -> jax.Array:
   """``x @ w`` over the last axis, for a ``[K, N]`` array (XLA's dot) or a
   ``PackedWeight`` (the native kernel, f32)."""
@@ -266,8 +271,8 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens_BT: jax.Array,
   slots_BT = cache.new_slots(T)
   # Packed weights mean the native CPU path: its attention too, for decode,
   # verify and tree widths (prefill's long T stays on XLA's batched dots).
-  native_attention = (isinstance(params.layers[0].wqkv, PackedWeight)
-                      and T <= NATIVE_ATTENTION_MAX_T and native.available())
+  native_attention = (is_packed(params) and T <= NATIVE_ATTENTION_MAX_T
+                      and native.available())
 
   angles_BTh = (positions_BT[..., None].astype(jnp.float32)
                 * rope_inv_freq(cfg)[None, None, :])
