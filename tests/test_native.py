@@ -94,7 +94,9 @@ def test_vmap_over_the_custom_call():
     (1, 1, 9, 3, 64, 512, [256]),  # SmolLM2 decode
     (3, 5, 4, 2, 8, 40, [0, 7, 35]),  # ragged, an empty row
     (2, 8, 6, 3, 16, 20, [12, 3]),  # the last row's new tokens fill it
-    (2, 4, 4, 4, 8, 16, [14, 2])])  # new tokens past the capacity
+    (2, 4, 4, 4, 8, 16, [14, 2]),  # new tokens past the capacity
+    (2, 3, 10, 2, 40, 36, [5, 31]),  # 5 queries a kv head, H = 5 vectors
+    (1, 2, 2, 1, 12, 9, [3])])  # H not a multiple of 8: the plain C++
 def test_attention_equals_xla_and_never_reads_stale_slots(B, T, N, G, H, S,
                                                          lengths):
   """Invariants: the native attention over a cache with ragged lengths and a

@@ -8,13 +8,15 @@
 // 16 output columns, [P = ceil(N / 16), K, 16], the last panel zero-padded:
 // a panel is one contiguous run of K * 64 bytes, read front to back. Rows go
 // in blocks of up to 6 (12 ymm accumulators on AVX2 + the panel row's two
-// vectors + a broadcast). The panel is walked in chunks of 128 of its rows
-// (8 KB), every row block taking its turn on a chunk while it is in L1, and
-// the block reading from memory prefetches 16 panel rows ahead; for 8 rows
-// (6 + 2) that took the 8-row matmuls from 1.6x to 1.35x a one-row one on
-// the EPYC host. Variants measured and dropped: DESIGN.md. Panels are
-// shared out over XLA's intra-op thread pool. AVX2 + FMA where the CPU has
-// them (an AVX-512 variant is still to come), else plain C++.
+// vectors + a broadcast), rows shared out evenly over the blocks (8 rows
+// as 4 + 4). The panel is walked in chunks of 128 of its rows (8 KB), every
+// row block taking its turn on a chunk while it is in L1. One block alone
+// prefetches 16 panel rows ahead; with several, each block prefetches its
+// share of the next chunk, so the weights stream in while the later blocks
+// compute (8 rows: 1.10x a one-row matmul, 16 rows: 1.38x on the EPYC
+// host). Variants measured and dropped: DESIGN.md. Panels are shared out
+// over XLA's intra-op thread pool. AVX2 + FMA where the CPU has them (an
+// AVX-512 variant is still to come), else plain C++.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -37,12 +39,15 @@ constexpr int64_t kGroup = 8 * kRows;  // rows sharing one output tile
 // Rows [0, MB) of x (row stride ldx) times K rows of a panel: out[r, :16]
 // (added to what out holds when `accumulate`). AVX2 + FMA: two ymm
 // accumulators a row (two independent FMA chains even for one row), the
-// panel row's two vectors loaded once for all rows. Named accumulators, not
-// an array: GCC keeps an array in memory and stores it back on every k.
+// panel row's two vectors loaded once for all rows; panel row
+// k * step / 2^16 past `ahead` prefetched on step k. Named accumulators,
+// stored one by one: with an array, or a loop over one at the end, GCC keeps
+// them in memory and stores them back on every k (blocks of 1-4 rows ran
+// at a third of the speed that way).
 template <int MB>
 __attribute__((target("avx2,fma"))) void block_avx2(
     const float* x, int64_t ldx, const float* panel, int64_t K, float* out,
-    bool accumulate) {
+    bool accumulate, const float* ahead, int64_t step) {
   __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0,
          h2 = l0, l3 = l0, h3 = l0, l4 = l0, h4 = l0, l5 = l0, h5 = l0;
   if (accumulate) {
@@ -56,7 +61,7 @@ __attribute__((target("avx2,fma"))) void block_avx2(
 #undef SPECJAX_LOAD
   }
   for (int64_t k = 0; k < K; ++k) {
-    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kAhead) * kLanes),
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + (k * step >> 16) * kLanes),
                  _MM_HINT_T0);
     const __m256 w0 = _mm256_loadu_ps(panel + k * kLanes);
     const __m256 w1 = _mm256_loadu_ps(panel + k * kLanes + 8);
@@ -70,15 +75,20 @@ __attribute__((target("avx2,fma"))) void block_avx2(
     SPECJAX_ROW(3) SPECJAX_ROW(4) SPECJAX_ROW(5)
 #undef SPECJAX_ROW
   }
-  const __m256 rows[2 * kRows] = {l0, h0, l1, h1, l2, h2,
-                                  l3, h3, l4, h4, l5, h5};
-  for (int r = 0; r < 2 * MB; ++r) _mm256_storeu_ps(out + r * 8, rows[r]);
+#define SPECJAX_STORE(r)                                                  \
+  if constexpr (MB > r) {                                                 \
+    _mm256_storeu_ps(out + r * kLanes, l##r);                             \
+    _mm256_storeu_ps(out + r * kLanes + 8, h##r);                         \
+  }
+  SPECJAX_STORE(0) SPECJAX_STORE(1) SPECJAX_STORE(2)
+  SPECJAX_STORE(3) SPECJAX_STORE(4) SPECJAX_STORE(5)
+#undef SPECJAX_STORE
 }
 
 // The same in plain C++, for CPUs without AVX2 + FMA.
 template <int MB>
 void block_generic(const float* x, int64_t ldx, const float* panel, int64_t K,
-                   float* out, bool accumulate) {
+                   float* out, bool accumulate, const float*, int64_t) {
   float acc[MB][kLanes] = {};
   if (accumulate) std::memcpy(acc, out, sizeof(acc));
   for (int64_t k = 0; k < K; ++k)
@@ -89,7 +99,7 @@ void block_generic(const float* x, int64_t ldx, const float* panel, int64_t K,
 }
 
 using BlockFn = void (*)(const float*, int64_t, const float*, int64_t,
-                         float*, bool);
+                         float*, bool, const float*, int64_t);
 #define SPECJAX_BLOCKS(fn)                                               \
   {nullptr, fn<1>, fn<2>, fn<3>, fn<4>, fn<5>, fn<6>}
 const BlockFn kAvx2[kRows + 1] = SPECJAX_BLOCKS(block_avx2);
@@ -104,12 +114,10 @@ const BlockFn* choose_blocks() {
 }
 const BlockFn* const kBlocks = choose_blocks();
 
-// Rows in blocks of kRows; from three blocks on, rows shared out evenly
-// (16 rows as 6 + 5 + 5, not 6 + 6 + 4: 0.8x the time), while two blocks
-// stay 6 + the rest (8 rows as 4 + 4 measured slower than 6 + 2).
+// Rows in blocks of at most kRows, shared out evenly (16 rows as 6 + 5 + 5,
+// 8 as 4 + 4).
 int64_t block_rows(int64_t rows, int64_t blocks_left) {
-  return blocks_left >= 3 ? (rows + blocks_left - 1) / blocks_left
-                          : std::min(kRows, rows);
+  return (rows + blocks_left - 1) / blocks_left;
 }
 
 // Panels [p0, p1) against every row of x, written into y: rows in groups
@@ -127,8 +135,12 @@ void panels(const float* x, int64_t M, int64_t K, const float* w, int64_t N,
         const int64_t kc = std::min(kChunk, K - k0);
         for (int64_t b = 0, m0 = 0; b < blocks; ++b) {
           const int64_t mb = block_rows(rows - m0, blocks - b);
+          // What this block prefetches: k * step / 2^16 panel rows past it.
+          const float* ahead =
+              blocks == 1 ? panel + (k0 + kAhead) * kLanes
+                          : panel + (k0 + kChunk + b * kc / blocks) * kLanes;
           kBlocks[mb](x + (g0 + m0) * K + k0, K, panel + k0 * kLanes, kc,
-                      tile + m0 * kLanes, k0 > 0);
+                      tile + m0 * kLanes, k0 > 0, ahead, (1 << 16) / blocks);
           m0 += mb;
         }
       }
