@@ -6,7 +6,9 @@
 SmolLM2-135M's real weights (f32). ``forward``: ``specjax.forward`` over
 T in {1, 2, 4, 8, 16} new tokens on top of 256 cached ones per row, with the
 plain weights (XLA's dot) and with ``llama.pack_params`` (the kernel), per
-batch size. ``matmul``: per row count M, three jitted programs:
+batch size, and the weight read in the same rounds (``roofline``: the
+read's time over the one-token step's, at the first batch size).
+``matmul``: per row count M, three jitted programs:
 every layer's four matmuls (fused q/k/v, o, fused gate/up, down: 120 for 30
 layers) plus the LM head on independent inputs, once as XLA's ``x @ W`` and
 once as ``native.small_matmul`` on packed weights, and a read of every
@@ -98,8 +100,14 @@ def main(argv=None) -> int:
   out = dict(machine=machine(), git_sha=git_sha(), level=args.level)
   if args.level == "forward":
     tokens = (1, 2, 4, 8, 16)
-    ms = time_round_robin(forward_calls(model, ints(args.batch), tokens),
-                          args.repeats)
+    calls = forward_calls(model, ints(args.batch), tokens)
+    read, (ws,) = programs(weights_KN(model.params), [], 1)["read"]
+    calls["read"] = lambda: read(ws)
+    ms = time_round_robin(calls, args.repeats)
+    B1 = ints(args.batch)[0]
+    out["read_ms"] = round(ms["read"], 2)
+    out["roofline"] = {name: round(ms["read"] / ms[(name, B1, 1)], 3)
+                       for name in ("xla", "native")}
     out["forward"] = [dict(batch=B, tokens=T, **{
         name: dict(ms=round(ms[(name, B, T)], 2),
                    vs_t1=round(ms[(name, B, T)] / ms[(name, B, 1)], 3))
