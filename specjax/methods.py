@@ -124,8 +124,8 @@ def _eagle(model: "Model", spec: MethodSpec):
 
   import jax.numpy as jnp
 
-  from specjax.eagle.drafter import EagleDrafter, EagleParams
-  from specjax.eagle.export import load_head
+  from specjax.drafters.eagle import EagleDrafter, EagleParams
+  from specjax.heads.export import load_head
   variant = "eagle1" if spec.name == "eagle" else "eagle3"
   path = spec.head
   if path is None:

@@ -23,10 +23,12 @@ concatenated inputs of those target layers for the tokens the target just ran
 
 from specjax.drafters.base import Proposal
 from specjax.drafters.draft_model import DraftModelDrafter, LayerSkipDrafter
+from specjax.drafters.eagle import EagleDrafter, EagleParams
 from specjax.drafters.ngram import NGramDrafter
 from specjax.drafters.retrieval import (Datastore, RetrievalDrafter,
                                         build_datastore, sharegpt_datastore)
 
-__all__ = ["Datastore", "DraftModelDrafter", "LayerSkipDrafter", "NGramDrafter",
+__all__ = ["Datastore", "DraftModelDrafter", "EagleDrafter", "EagleParams",
+           "LayerSkipDrafter", "NGramDrafter",
            "Proposal", "RetrievalDrafter", "build_datastore",
            "sharegpt_datastore"]

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.drafters.base import Proposal
-from specjax.eagle.head import HeadConfig, attend, head_module
+from specjax.heads.eagle import HeadConfig, attend, head_module
 from specjax.sampling import sample, warp
 
 
