@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 from specjax.cache import KVCache
-from specjax.drafters.base import Proposal
+from specjax.drafters.base import Drafter, Proposal
 from specjax.models import llama
 from specjax.models.config import ModelConfig
 from specjax.sampling import SamplingParams, sample_logits, warp
@@ -54,13 +54,14 @@ class DecodeConfig:
     sampling: warping and temperature (0 = greedy), shared by drafter and
       target.
     eos_ids: tokens that end a row (the EOS itself is kept in the output).
-    drafter: a drafter (``specjax.drafters``) or None for plain AR decoding.
-    num_draft: K, drafts per step (ignored without a drafter).
+    drafter: a ``drafters.base.Drafter`` or None for plain AR decoding.
+    num_draft: K, drafts per step (ignored without a drafter): the one place
+      K is set; the drafter gets it from the engine.
   """
   capacity: int
   sampling: SamplingParams = SamplingParams()
   eos_ids: tuple[int, ...] = ()
-  drafter: Any = None
+  drafter: Optional[Drafter] = None
   num_draft: int = 0
 
   @property
@@ -130,7 +131,7 @@ def _update_stops(state: DecodeState, hit_eos_B: jax.Array,
 
 def _feature_taps(dcfg: DecodeConfig) -> tuple[int, ...]:
   """Target layers whose inputs the drafter reads (EAGLE); usually none."""
-  return tuple(getattr(dcfg.drafter, "feature_taps", ()) or ())
+  return () if dcfg.drafter is None else tuple(dcfg.drafter.feature_taps)
 
 
 def _features(out: llama.ForwardOutput):
@@ -188,7 +189,7 @@ def prefill(params: llama.LlamaParams, prompt_BT: jax.Array,
   drafter_state = None
   if dcfg.drafter is not None:
     drafter_state = dcfg.drafter.init(drafter_params, prompt_BT, lengths, S,
-                                      _features(out))
+                                      dcfg.k, _features(out))
   zeros_B = jnp.zeros((B,), jnp.int32)
   state = DecodeState(
       tokens=tokens, num_tokens=lengths + 1, prompt_lengths=lengths,

@@ -145,4 +145,4 @@ def _eagle(model: "Model", spec: MethodSpec):
                       f"--method {'eagle' if cfg.variant == 'eagle1' else 'eagle3'}")
   params = EagleParams(head=head, draft_ids=draft_ids,
                         embed=jnp.asarray(model.params.embed))
-  return EagleDrafter(cfg, spec.num_draft, spec.min_confidence), params
+  return EagleDrafter(cfg, spec.min_confidence), params

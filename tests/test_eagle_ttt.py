@@ -184,7 +184,7 @@ def test_eagle_chain_drafting_greedy_identity(tmp_path, variant):
   dparams = EagleParams(head=head, draft_ids=jnp.asarray(vocab.ids),
                          embed=tparams.embed)
   spec, st = run(engine.DecodeConfig(capacity=64,
-                                     drafter=EagleDrafter(hcfg, k),
+                                     drafter=EagleDrafter(hcfg),
                                      num_draft=k), dparams)
   assert spec == ar
   num = np.asarray(st.num_tokens)
@@ -231,7 +231,7 @@ def test_eagle_chain_drafting_greedy_identity(tmp_path, variant):
   assert float(m["acc"][0]) > float(m0["acc"][0]) + 0.2
   assert float(m["acc"][1]) > float(m0["acc"][1]) + 0.2
   trained, st = run(engine.DecodeConfig(capacity=64,
-                                        drafter=EagleDrafter(hcfg, k),
+                                        drafter=EagleDrafter(hcfg),
                                         num_draft=k),
                     dparams.replace(head=head))
   assert trained == ar
@@ -267,8 +267,8 @@ def test_leviathan_with_real_head_draft_probabilities(tmp_path):
   prompt = jnp.array([[4, 8, 15, 16, 23, 30]], jnp.int32)
   out = llama.forward(tparams, tcfg, prompt,
                       llama.init_cache(tcfg, 1, 16), taps=hcfg.taps)
-  drafter = EagleDrafter(hcfg, k)
-  state = drafter.init(dparams, prompt, jnp.array([6]), 16,
+  drafter = EagleDrafter(hcfg)
+  state = drafter.init(dparams, prompt, jnp.array([6]), 16, k,
                        jnp.concatenate(list(out.taps), -1))
   tokens = jnp.zeros((1, 16), jnp.int32).at[0, :7].set(
       jnp.array([4, 8, 15, 16, 23, 30, 31]))

@@ -84,7 +84,7 @@ def _drafter(smollm2, method, tmp_path_factory):
                               always=cfg.eos_ids)
     hcfg = HeadConfig.for_target(cfg, vocab.size)
     head = init_head(jax.random.key(0), hcfg, smollm2.params, vocab)
-    return (EagleDrafter(hcfg, 3),
+    return (EagleDrafter(hcfg),
             EagleParams(head=head, draft_ids=jnp.asarray(vocab.ids),
                          embed=smollm2.params.embed), 3)
   if method == "eagle3_shipped_dynamic_k":

@@ -239,7 +239,7 @@ def test_dynamic_k_keeps_sampling_exact(tiny, tiny_draft, monkeypatch):
   ragged numbers of tokens. Mutation: the tempting rule "draft only
   confident *tokens*" (the drawn token's own probability vs the threshold)
   biases the output and the same check must fail."""
-  from specjax.drafters import draft_model
+  from specjax.drafters import chain
   cfg, params = tiny
   counts, expected, drafted = _joint_first_two(params, cfg, tiny_draft)
   stat, crit = _chi2(counts, expected)
@@ -249,7 +249,7 @@ def test_dynamic_k_keeps_sampling_exact(tiny, tiny_draft, monkeypatch):
   def biased(logits_BV, probs_BV, tok_B, min_confidence):
     return probs_BV[jnp.arange(tok_B.shape[0]), tok_B] >= min_confidence
 
-  monkeypatch.setattr(draft_model, "_keep_drafting", biased)
+  monkeypatch.setattr(chain, "keep_drafting", biased)
   jax.clear_caches()
   counts, expected, _ = _joint_first_two(params, cfg, tiny_draft)
   stat, crit = _chi2(counts, expected)
