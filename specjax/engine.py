@@ -119,9 +119,10 @@ def _update_stops(state: DecodeState, hit_eos_B: jax.Array,
   clauses = (
       (STOP_EOS, hit_eos_B),
       (STOP_BUDGET, state.num_new_tokens >= state.max_new_tokens),
-      # A step writes K + 1 entries from slot num_tokens - 1 and may emit
-      # K + 1 tokens: both must fit.
-      (STOP_CAPACITY, state.num_tokens + dcfg.k >= dcfg.capacity),
+      # The token buffer is full: AR's clause for every method (``_propose``
+      # clips the drafts to the slots left, so speculation never stops a
+      # row earlier than AR would).
+      (STOP_CAPACITY, state.num_tokens >= dcfg.capacity),
   )
   reason = state.stop_reason
   for code, fired in reversed(clauses):
@@ -204,11 +205,15 @@ def prefill(params: llama.LlamaParams, prompt_BT: jax.Array,
 
 def _propose(drafter_params, state: DecodeState, dcfg: DecodeConfig,
              key: jax.Array) -> Proposal:
-  """Up to K drafts per row from the drafter; AR (K = 0): none."""
+  """Up to K drafts per row from the drafter, clipped to what the row's
+  buffer can still take (a step emits up to drafts + 1 tokens); AR (K = 0):
+  none."""
   if dcfg.k:
-    return dcfg.drafter.propose(drafter_params, state.drafter_state,
+    prop = dcfg.drafter.propose(drafter_params, state.drafter_state,
                                 state.tokens, state.num_tokens, key, dcfg.k,
                                 dcfg.sampling)
+    room_B = jnp.maximum(dcfg.capacity - state.num_tokens - 1, 0)
+    return prop.replace(num_draft=jnp.minimum(prop.num_draft, room_B))
   B = state.tokens.shape[0]
   return Proposal(tokens=jnp.zeros((B, 0), jnp.int32), probs=None,
                   num_draft=jnp.zeros((B,), jnp.int32),

@@ -71,6 +71,24 @@ def test_greedy_ngram_equals_ar_and_cache_rolls_back(tiny):
                                  ar_state.cache.k[layer][b, :, :, :n], atol=1e-5)
 
 
+def test_capacity_stops_speculation_where_ar_stops(tiny):
+  """Invariant: with a hand-picked capacity (not ``capacity_for``) and a
+  budget past it, greedy n-gram decoding fills every row's buffer exactly as
+  AR does: same tokens, every slot used, stop reason capacity. (Stopping a
+  row once ``num_tokens + K`` reached the capacity gave a strict prefix.)"""
+  cfg, params = tiny
+  capacity = bucketing.pad_prompts(PROMPTS)[0].shape[1] + 9
+  ar, _ = _run(params, cfg, engine.DecodeConfig(capacity=capacity),
+               max_new=100)
+  spec, st = _run(params, cfg, engine.DecodeConfig(
+      capacity=capacity, drafter=NGramDrafter(), num_draft=4), max_new=100)
+  assert spec == ar
+  for prompt, row, reason in zip(PROMPTS, spec, st.stop_reason):
+    assert len(prompt) + len(row) == capacity
+    assert int(reason) == engine.STOP_CAPACITY
+  assert np.asarray(st.accepted_at).sum() > 0  # drafts were really used
+
+
 def test_steps_without_drafts_verify_one_token(tiny):
   """Invariant: a single row verifies K + 1 tokens on steps where it drafted
   and the newest token alone where the n-gram lookup found nothing, and the
