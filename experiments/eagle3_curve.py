@@ -5,7 +5,7 @@
 
 Each RUN_DIR is a `specjax train` workdir (its config.json says how it was
 trained; its ckpt/ holds the steps). Every checkpoint is evaluated at K = 7
-on the run's held-out conversations (specjax.eagle.evaluate) and printed as
+on the run's held-out conversations (specjax.training.evaluate) and printed as
 one JSON line: run, step, training tokens, acc per step, coverage of Vd,
 expected τ of a 7-chain. --heldout-of RUN scores every run on RUN's held-out
 conversations instead (e.g. replies the target regenerated; rows then carry
@@ -28,7 +28,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 def evaluate_runs(run_dirs, out: pathlib.Path, num_steps: int, label=None,
                   only=None, export=None, heldout_of=None):
-  from specjax.eagle import evaluate, export as eexport, train
+  from specjax.training import evaluate
+  from specjax.heads import export as eexport
+  from specjax.training import train
   from specjax.models.registry import load_model
   done = set()
   if out.is_file():

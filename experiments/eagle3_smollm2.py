@@ -13,7 +13,7 @@ from the newest checkpoint in the workdir. It trained the head shipped
 until the cached recipe (``eagle3_smollm2_cached.py``) replaced it.
 """
 
-from specjax.eagle.train import TrainConfig
+from specjax.training.train import TrainConfig
 
 
 def config() -> TrainConfig:

@@ -86,11 +86,11 @@ def forward_program(cfg: ModelConfig, params, B: int, T: int, context: int):
 def head_program(cfg: ModelConfig, B: int, K: int, dtype, context: int):
   """``(jitted propose, (params, state, tokens, num_tokens, key))``: an
   EAGLE-3 head drafting K tokens greedily after a verify of K + 1."""
-  from specjax.eagle.drafter import EagleDrafter, EagleParams
-  from specjax.eagle.head import HeadConfig, head_module
+  from specjax.drafters.eagle import EagleDrafter, EagleParams
+  from specjax.heads.eagle import HeadConfig, head_module
   from specjax.sampling import SamplingParams
   hcfg = HeadConfig.for_target(cfg, min(DRAFT_VOCAB, cfg.vocab_size))
-  drafter = EagleDrafter(hcfg, K)
+  drafter = EagleDrafter(hcfg)
   F = len(hcfg.taps) * cfg.dim
 
   def make():
@@ -102,7 +102,7 @@ def head_program(cfg: ModelConfig, B: int, K: int, dtype, context: int):
     params = EagleParams(jax.tree.map(lambda a: a.astype(dtype), head),
                          jnp.arange(hcfg.draft_vocab, dtype=jnp.int32), embed)
     state = drafter.init(params, jnp.ones((B, context), jnp.int32),
-                         jnp.full((B,), context, jnp.int32), 2 * context,
+                         jnp.full((B,), context, jnp.int32), 2 * context, K,
                          features=jnp.zeros((B, context, F), dtype))
     return params, state
 

@@ -99,7 +99,8 @@ def kit_examples(cfg):
   conversations (so scores compare with the CPU heads'), train = the first
   ``cfg.num_conversations`` minus any row equal to a held-out one."""
   import numpy as np
-  from specjax.eagle import data as edata, train as etrain
+  from specjax.training import data as edata
+  from specjax.training import train as etrain
   from specjax.models.registry import load_model
   cpu = runpy.run_path(str(CPU_CONFIG))["config"]()
   if (cfg.model, cfg.max_len) != (cpu.model, cpu.max_len):
@@ -120,7 +121,7 @@ def cmd_pack(args) -> int:
   cfg = kit_device.gpu_config()
   in_tree = ""
   if args.init_head:  # fail before minutes of packing, not on the device
-    from specjax.eagle.export import load_head
+    from specjax.heads.export import load_head
     load_head(args.init_head)
     in_tree = travels(args.init_head)
   shutil.rmtree(kit_files.KIT, ignore_errors=True)

@@ -181,7 +181,7 @@ def package_paths(scratch: pathlib.Path) -> list[pathlib.Path]:
 
 
 def gpu_config(assignments=()):
-  from specjax.eagle import train as etrain
+  from specjax.training import train as etrain
   return etrain.override(runpy.run_path(str(CONFIG))["config"](),
                          list(assignments))
 
@@ -242,7 +242,7 @@ def random_examples(cfg, vocab_size: int, rows: int, seed: int = 0):
   """Token rows of the run's shape with assistant masks from position 16
   on (every row fills ``max_len``: the shapes, not the text, set the time)."""
   import numpy as np
-  from specjax.eagle.data import Examples
+  from specjax.training.data import Examples
   rng = np.random.default_rng(seed)
   T = cfg.max_len
   return Examples(rng.integers(0, vocab_size, (rows, T)).astype(np.int32),
@@ -293,7 +293,7 @@ def plan_steps(times: dict, cfg, seconds: float,
 def cmd_probe(args) -> int:
   """Child of call 1: the GPU config on a random target of the real shape."""
   import jax
-  from specjax.eagle import train as etrain
+  from specjax.training import train as etrain
   from specjax.models.llama import random_params
   from specjax.models.registry import Model
   scratch = pathlib.Path(args.scratch)
@@ -325,7 +325,7 @@ def probe_score(run, cfg, tcfg, rows: int, full: int) -> float:
   """Seconds to score ``full`` held-out rows, from scoring ``rows`` random
   ones (twice when fewer: the second, compiled, run gives the per-row
   time that the first one's compile is added to)."""
-  from specjax.eagle import evaluate
+  from specjax.training import evaluate
   held = random_examples(cfg, tcfg.vocab_size, rows, seed=1)
   s = dataclasses.replace(run.setup, heldout_ex=held)
   t = time.time()
@@ -348,7 +348,8 @@ def smoke(work: pathlib.Path) -> dict:
     importlib.import_module(name)
   import jax
   import numpy as np
-  from specjax.eagle import data as edata, train as etrain
+  from specjax.training import data as edata
+  from specjax.training import train as etrain
   from specjax.models.config import ModelConfig
   from specjax.models.llama import random_params
   from specjax.models.registry import Model
@@ -449,7 +450,7 @@ def cmd_train(args) -> int:
                      end, args.probe_steps)
   plan["seconds"] = ph.seconds.copy()
   print("plan:", json.dumps(plan), flush=True)
-  from specjax.eagle import train as etrain
+  from specjax.training import train as etrain
   run = ph.run("train", etrain.train, cfg, scratch / "run", model=model,
                examples=train_ex, deadline=plan["train_until"],
                progress=args.progress)
@@ -474,7 +475,7 @@ def size_run(cfg, model, train_ex, scratch: pathlib.Path, end: float,
   load call 1's compiles from the cache) and time it; ``steps`` then fills
   the time left before ``end`` less scoring (the probe's measured time)
   and writes. Without call 1's plan.json, ``probe_steps`` are timed."""
-  from specjax.eagle import train as etrain
+  from specjax.training import train as etrain
   probe = _read_json(scratch / "plan.json")
   warm = dataclasses.replace(cfg, steps=WARM_STEPS if probe else probe_steps,
                              log_every=1, checkpoint_every=0)
@@ -506,7 +507,7 @@ def write_head(run, cfg, work: pathlib.Path, out: pathlib.Path,
                plan: dict) -> dict:
   """The head (in parts under the per-file limit), the log and a first
   ``result.json`` to $OUT: a command cut while scoring still returns them."""
-  from specjax.eagle import evaluate
+  from specjax.training import evaluate
   head = work / f"eagle3-gpu-{run.step}.npz"
   (work / "head.npz").rename(head)
   result = dict(run="eagle3-gpu", variant=cfg.variant, ttt=cfg.ttt_steps,
@@ -522,7 +523,7 @@ def write_head(run, cfg, work: pathlib.Path, out: pathlib.Path,
 
 
 def score(run, heldout, result: dict, out: pathlib.Path) -> None:
-  from specjax.eagle import evaluate
+  from specjax.training import evaluate
   s = dataclasses.replace(run.setup, heldout_ex=heldout)
   result.update(evaluate.heldout_accuracy(s, run.params))
   (out / "result.json").write_text(json.dumps(result, indent=1))

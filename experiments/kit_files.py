@@ -96,7 +96,7 @@ def save_examples(path: pathlib.Path, train, heldout) -> None:
 
 def load_examples(path: pathlib.Path):
   import numpy as np
-  from specjax.eagle.data import Examples
+  from specjax.training.data import Examples
   with np.load(path) as z:
     def get(name):
       ids = z[f"{name}_ids"].astype(np.int32)

@@ -349,7 +349,7 @@ def cmd_tune(args) -> int:
 
 def cmd_train(args) -> int:
   import runpy
-  from specjax.eagle import train
+  from specjax.training import train
   try:
     module = runpy.run_path(args.config)
   except (OSError, SyntaxError) as e:

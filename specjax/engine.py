@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 from specjax.cache import KVCache
+from specjax.drafters.base import Drafter, Proposal
 from specjax.models import llama
 from specjax.models.config import ModelConfig
 from specjax.sampling import SamplingParams, sample_logits, warp
@@ -53,13 +54,14 @@ class DecodeConfig:
     sampling: warping and temperature (0 = greedy), shared by drafter and
       target.
     eos_ids: tokens that end a row (the EOS itself is kept in the output).
-    drafter: a drafter (``specjax.drafters``) or None for plain AR decoding.
-    num_draft: K, drafts per step (ignored without a drafter).
+    drafter: a ``drafters.base.Drafter`` or None for plain AR decoding.
+    num_draft: K, drafts per step (ignored without a drafter): the one place
+      K is set; the drafter gets it from the engine.
   """
   capacity: int
   sampling: SamplingParams = SamplingParams()
   eos_ids: tuple[int, ...] = ()
-  drafter: Any = None
+  drafter: Optional[Drafter] = None
   num_draft: int = 0
 
   @property
@@ -117,9 +119,10 @@ def _update_stops(state: DecodeState, hit_eos_B: jax.Array,
   clauses = (
       (STOP_EOS, hit_eos_B),
       (STOP_BUDGET, state.num_new_tokens >= state.max_new_tokens),
-      # A step writes K + 1 entries from slot num_tokens - 1 and may emit
-      # K + 1 tokens: both must fit.
-      (STOP_CAPACITY, state.num_tokens + dcfg.k >= dcfg.capacity),
+      # The token buffer is full: AR's clause for every method (``_propose``
+      # clips the drafts to the slots left, so speculation never stops a
+      # row earlier than AR would).
+      (STOP_CAPACITY, state.num_tokens >= dcfg.capacity),
   )
   reason = state.stop_reason
   for code, fired in reversed(clauses):
@@ -129,7 +132,7 @@ def _update_stops(state: DecodeState, hit_eos_B: jax.Array,
 
 def _feature_taps(dcfg: DecodeConfig) -> tuple[int, ...]:
   """Target layers whose inputs the drafter reads (EAGLE); usually none."""
-  return tuple(getattr(dcfg.drafter, "feature_taps", ()) or ())
+  return () if dcfg.drafter is None else tuple(dcfg.drafter.feature_taps)
 
 
 def _features(out: llama.ForwardOutput):
@@ -187,7 +190,7 @@ def prefill(params: llama.LlamaParams, prompt_BT: jax.Array,
   drafter_state = None
   if dcfg.drafter is not None:
     drafter_state = dcfg.drafter.init(drafter_params, prompt_BT, lengths, S,
-                                      _features(out))
+                                      dcfg.k, _features(out))
   zeros_B = jnp.zeros((B,), jnp.int32)
   state = DecodeState(
       tokens=tokens, num_tokens=lengths + 1, prompt_lengths=lengths,
@@ -200,67 +203,104 @@ def prefill(params: llama.LlamaParams, prompt_BT: jax.Array,
   return _update_stops(state, _is_eos(first_B, dcfg), dcfg)
 
 
-def step(params: llama.LlamaParams, state: DecodeState, *,
-         model_cfg: ModelConfig, dcfg: DecodeConfig,
-         drafter_params: Any = None) -> DecodeState:
-  """Propose -> one target forward -> verify -> write -> roll back -> stop.
+def _propose(drafter_params, state: DecodeState, dcfg: DecodeConfig,
+             key: jax.Array) -> Proposal:
+  """Up to K drafts per row from the drafter, clipped to what the row's
+  buffer can still take (a step emits up to drafts + 1 tokens); AR (K = 0):
+  none."""
+  if dcfg.k:
+    prop = dcfg.drafter.propose(drafter_params, state.drafter_state,
+                                state.tokens, state.num_tokens, key, dcfg.k,
+                                dcfg.sampling)
+    room_B = jnp.maximum(dcfg.capacity - state.num_tokens - 1, 0)
+    return prop.replace(num_draft=jnp.minimum(prop.num_draft, room_B))
+  B = state.tokens.shape[0]
+  return Proposal(tokens=jnp.zeros((B, 0), jnp.int32), probs=None,
+                  num_draft=jnp.zeros((B,), jnp.int32),
+                  state=state.drafter_state)
 
-  Rows already stopped still ride along in the batch (fixed shapes) but their
-  tokens, lengths and statistics do not move.
-  """
-  B, S, K = state.tokens.shape[0], dcfg.capacity, dcfg.k
-  rows = jnp.arange(B)
-  live_B = ~state.done
-  key, k_draft, k_verify = jax.random.split(state.key, 3)
-  drafter_state = state.drafter_state
-  if K:
-    prop = dcfg.drafter.propose(drafter_params, drafter_state, state.tokens,
-                                state.num_tokens, k_draft, K, dcfg.sampling)
-    draft_BK, draft_probs, num_draft_B = prop.tokens, prop.probs, prop.num_draft
-    drafter_state = prop.state
-  else:
-    draft_BK = jnp.zeros((B, 0), jnp.int32)
-    draft_probs, num_draft_B = None, jnp.zeros((B,), jnp.int32)
 
-  last_B = state.tokens[rows, state.num_tokens - 1]
-  block_BT = jnp.concatenate([last_B[:, None], draft_BK], axis=1)
+def _score(params, state: DecodeState, prop: Proposal, live_B: jax.Array, *,
+           model_cfg: ModelConfig, dcfg: DecodeConfig):
+  """The target forward over ``[newest token, drafts]``: ``(out, wide)``.
+  When no live row drafted (no n-gram match, an unconfident head), it scores
+  the newest token alone (``wide`` False): on a CPU a forward over K + 1
+  tokens costs more than a one-token one."""
+  B, K = state.tokens.shape[0], dcfg.k
+  last_B = state.tokens[jnp.arange(B), state.num_tokens - 1]
+  block_BT = jnp.concatenate([last_B[:, None], prop.tokens], axis=1)
   verify = functools.partial(_verify_forward, params, model_cfg, block_BT,
                              state.cache, _feature_taps(dcfg))
-  # No live row drafted (no n-gram match, an unconfident head): score the
-  # newest token alone. On CPU a K+1-token forward costs ~2 one-token ones.
-  wide = jnp.any((num_draft_B > 0) & live_B)
-  out = (jax.lax.cond(wide, lambda: verify(K + 1), lambda: verify(1)) if K
-         else verify(1))
-  res = verify_chain(draft_BK, draft_probs, warp(out.logits, dcfg.sampling),
-                     num_draft_B, k_verify, greedy=dcfg.sampling.greedy)
+  wide = jnp.any((prop.num_draft > 0) & live_B)
+  if not K:
+    return verify(1), wide
+  return jax.lax.cond(wide, lambda: verify(K + 1), lambda: verify(1)), wide
 
-  # Emit the verified tokens, cut after an EOS, at the budget and the buffer.
-  idx_T = jnp.arange(K + 1)[None, :]
-  eos_BT = _is_eos(res.tokens, dcfg) & (idx_T < res.num_emitted[:, None])
+
+def _emit(state: DecodeState, tokens_BT: jax.Array, num_emitted_B: jax.Array,
+          live_B: jax.Array, dcfg: DecodeConfig):
+  """Writes each live row's verified tokens at its own offset, cut after an
+  EOS, at the budget and at the buffer's end: ``(tokens, n, hit_eos)``, with
+  ``n[b]`` the tokens row b emitted."""
+  B, T = tokens_BT.shape
+  S = dcfg.capacity
+  idx_T = jnp.arange(T)[None, :]
+  eos_BT = _is_eos(tokens_BT, dcfg) & (idx_T < num_emitted_B[:, None])
   first_eos_B = jnp.where(jnp.any(eos_BT, axis=1),
-                          jnp.argmax(eos_BT, axis=1), K + 1)
-  n_B = jnp.minimum(res.num_emitted, first_eos_B + 1)
+                          jnp.argmax(eos_BT, axis=1), T)
+  n_B = jnp.minimum(num_emitted_B, first_eos_B + 1)
   n_B = jnp.minimum(n_B, state.max_new_tokens - state.num_new_tokens)
   n_B = jnp.where(live_B, jnp.minimum(n_B, S - state.num_tokens), 0)
   slots_BT = jnp.where(idx_T < n_B[:, None], state.num_tokens[:, None] + idx_T,
                        S)
-  tokens = state.tokens.at[rows[:, None], slots_BT].set(res.tokens,
-                                                        mode="drop")
-  num_tokens = state.num_tokens + n_B
-  if K:
-    drafter_state = dcfg.drafter.commit(drafter_params, drafter_state, tokens,
-                                        num_tokens, _features(out))
-  acc_BK = (jnp.arange(K)[None, :] < res.num_accepted[:, None]) & live_B[:, None]
-  state = state.replace(
-      tokens=tokens, num_tokens=num_tokens,
-      cache=out.cache.with_lengths(jnp.where(live_B, num_tokens - 1,
-                                             state.cache.lengths)),
-      drafter_state=drafter_state, key=key, num_steps=state.num_steps + 1,
-      num_wide=state.num_wide + wide,
+  tokens = state.tokens.at[jnp.arange(B)[:, None], slots_BT].set(
+      tokens_BT, mode="drop")
+  hit_eos_B = jnp.any(eos_BT & (idx_T < n_B[:, None]), axis=1)
+  return tokens, n_B, hit_eos_B
+
+
+def _tally(state: DecodeState, cache: KVCache, live_B: jax.Array,
+           wide: jax.Array, num_draft_B: jax.Array,
+           num_accepted_B: jax.Array, K: int) -> DecodeState:
+  """The target cache rolled back to each live row's committed tokens (by
+  lengths), and the step's statistics."""
+  acc_BK = ((jnp.arange(K)[None, :] < num_accepted_B[:, None])
+            & live_B[:, None])
+  return state.replace(
+      cache=cache.with_lengths(jnp.where(live_B, state.num_tokens - 1,
+                                         state.cache.lengths)),
+      num_steps=state.num_steps + 1, num_wide=state.num_wide + wide,
       num_forwards=state.num_forwards + live_B,
       num_drafted=state.num_drafted + jnp.where(live_B, num_draft_B, 0),
       accepted_at=state.accepted_at + acc_BK)
-  hit_eos_B = jnp.any(eos_BT & (idx_T < n_B[:, None]), axis=1)
+
+
+def step(params: llama.LlamaParams, state: DecodeState, *,
+         model_cfg: ModelConfig, dcfg: DecodeConfig,
+         drafter_params: Any = None) -> DecodeState:
+  """Propose -> score (one target forward) -> verify -> emit -> tally.
+
+  Rows already stopped still ride along in the batch (fixed shapes) but their
+  tokens, lengths and statistics do not move.
+  """
+  live_B = ~state.done
+  key, k_draft, k_verify = jax.random.split(state.key, 3)
+  prop = _propose(drafter_params, state, dcfg, k_draft)
+  out, wide = _score(params, state, prop, live_B, model_cfg=model_cfg,
+                     dcfg=dcfg)
+  res = verify_chain(prop.tokens, prop.probs, warp(out.logits, dcfg.sampling),
+                     prop.num_draft, k_verify, greedy=dcfg.sampling.greedy)
+  tokens, n_B, hit_eos_B = _emit(state, res.tokens, res.num_emitted, live_B,
+                                 dcfg)
+  num_tokens = state.num_tokens + n_B
+  drafter_state = prop.state
+  if dcfg.k:
+    drafter_state = dcfg.drafter.commit(drafter_params, drafter_state, tokens,
+                                        num_tokens, _features(out))
+  state = state.replace(tokens=tokens, num_tokens=num_tokens,
+                        drafter_state=drafter_state, key=key)
+  state = _tally(state, out.cache, live_B, wide, prop.num_draft,
+                 res.num_accepted, dcfg.k)
   return _update_stops(state, hit_eos_B, dcfg)
 
 

@@ -124,8 +124,8 @@ def _eagle(model: "Model", spec: MethodSpec):
 
   import jax.numpy as jnp
 
-  from specjax.eagle.drafter import EagleDrafter, EagleParams
-  from specjax.eagle.export import load_head
+  from specjax.drafters.eagle import EagleDrafter, EagleParams
+  from specjax.heads.export import load_head
   variant = "eagle1" if spec.name == "eagle" else "eagle3"
   path = spec.head
   if path is None:
@@ -145,4 +145,4 @@ def _eagle(model: "Model", spec: MethodSpec):
                       f"--method {'eagle' if cfg.variant == 'eagle1' else 'eagle3'}")
   params = EagleParams(head=head, draft_ids=draft_ids,
                         embed=jnp.asarray(model.params.embed))
-  return EagleDrafter(cfg, spec.num_draft, spec.min_confidence), params
+  return EagleDrafter(cfg, spec.min_confidence), params

@@ -77,9 +77,16 @@ def sample(probs_XV: jax.Array, key: jax.Array) -> jax.Array:
       jnp.int32)
 
 
+def draw(probs_XV: jax.Array, sp: SamplingParams,
+         key: jax.Array) -> jax.Array:
+  """``int32[...]`` tokens from ``warp``-ed probabilities: the argmax when
+  greedy (no random draw), else a sample."""
+  if sp.greedy:
+    return jnp.argmax(probs_XV, axis=-1).astype(jnp.int32)
+  return sample(probs_XV, key)
+
+
 def sample_logits(logits_XV: jax.Array, sp: SamplingParams,
                   key: jax.Array) -> jax.Array:
-  """``int32[...]`` next tokens; greedy skips the random draw entirely."""
-  if sp.greedy:
-    return jnp.argmax(logits_XV, axis=-1).astype(jnp.int32)
-  return sample(warp(logits_XV, sp), key)
+  """``int32[...]`` next tokens from logits (``draw`` of ``warp``)."""
+  return draw(warp(logits_XV, sp), sp, key)

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from specjax.eagle import data as edata
-from specjax.eagle import train as etrain
+from specjax.training import data as edata
+from specjax.training import train as etrain
 from specjax.models.registry import Model
 
 
@@ -104,7 +104,7 @@ def test_init_head_continues_from_an_exported_head(tiny_model, tmp_path):
   setting says, and trains on from there; a head of the other variant is
   refused by name."""
   import jax
-  from specjax.eagle.export import load_head
+  from specjax.heads.export import load_head
   ex = _examples()
   first = etrain.train(dataclasses.replace(CFG, steps=2), tmp_path / "a",
                        model=tiny_model, examples=ex, progress=False)
@@ -135,9 +135,9 @@ def test_feature_cache_equals_on_the_fly_and_resumes(tiny_model, tmp_path):
   taps to one bf16 ulp (2^-7 relative); (3) a
   build killed after one batch resumes to the same files as an unbroken
   one; (4) a cache of other examples is rebuilt, never reused."""
-  from specjax.eagle import features as efeat
-  from specjax.eagle.ttt import target_batch
-  from specjax.eagle.vocab import draft_rows
+  from specjax.training import features as efeat
+  from specjax.training.ttt import target_batch
+  from specjax.heads.vocab import draft_rows
   ex = _examples(n=5)
   s = etrain.setup(CFG, model=tiny_model, examples=_examples(), progress=False)
   tp, tcfg = tiny_model.params, tiny_model.config
@@ -183,7 +183,7 @@ def test_tokens_seen_counts_only_the_cached_rows():
   """Invariant: a run over cached features draws its batches from the first
   ``feature_cache`` training rows, and ``tokens_seen`` counts those (it once
   counted rows of the whole split)."""
-  from specjax.eagle.evaluate import tokens_seen
+  from specjax.training.evaluate import tokens_seen
   ex = _examples()
   ex = edata.Examples(ex.ids, ex.mask, np.arange(1, 11, dtype=np.int32))
   train_ex, _ = edata.split(ex, CFG.heldout, CFG.seed)
@@ -245,8 +245,8 @@ def test_eagle1_keeps_target_copies_frozen(tiny_model, tmp_path):
   """Invariant: training an EAGLE-1 head leaves its copies of the target's
   final norm and LM head exactly as initialized, while the rest moves."""
   import jax
-  from specjax.eagle import build_draft_vocab
-  from specjax.eagle.head import HeadConfig
+  from specjax.heads.vocab import build_draft_vocab
+  from specjax.heads.eagle import HeadConfig
   cfg = dataclasses.replace(CFG, variant="eagle1", ttt_steps=1, steps=3,
                             draft_vocab=37)
   run = etrain.train(cfg, tmp_path, model=tiny_model, examples=_examples(),
@@ -269,7 +269,7 @@ def test_heldout_accuracy_ignores_batch_padding(tiny_model, tmp_path):
   position is covered; expected τ of a constant α is the closed form
   (1 - α^(K+1)) / (1 - α)."""
   from specjax import theory
-  from specjax.eagle import evaluate
+  from specjax.training import evaluate
   cfg = dataclasses.replace(CFG, heldout=5, draft_vocab=37)
   s = etrain.setup(cfg, model=tiny_model, examples=_examples(n=12),
                    progress=False)
@@ -293,7 +293,7 @@ def test_regenerate_keeps_context_and_resumes(tiny_model, tmp_path,
   interrupted after its first batch resumes from the saved batches and
   returns the same arrays as an uninterrupted one."""
   from specjax import runner
-  from specjax.eagle.regenerate import regenerate
+  from specjax.training.regenerate import regenerate
   from specjax.sampling import SamplingParams
   ex = _examples(n=5)
   kw = dict(max_new_tokens=6, sampling=SamplingParams(), batch_size=2,
@@ -371,7 +371,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_head(tiny_model,
   exported head is that step's (finite). Mutation caught: without the
   guard the NaN step is applied and the run goes on to step 6."""
   import jax
-  from specjax.eagle.export import load_head
+  from specjax.heads.export import load_head
   n, heldout = 10, CFG.heldout
   bad = tiny_model.config.vocab_size  # out of range: its embedding is NaN
   ex = _examples(n)

@@ -6,10 +6,10 @@ import numpy as np
 import optax
 import pytest
 
-from specjax.eagle import (Eagle3Head, HeadConfig, TTTBatch, build_draft_vocab,
-                           dense_mask, target_batch, ttt_loss)
-from specjax.eagle.head import attend
-from specjax.eagle.ttt import loss_rows
+from specjax.heads.eagle import Eagle3Head, HeadConfig, attend
+from specjax.heads.vocab import build_draft_vocab
+from specjax.training.ttt import TTTBatch, dense_mask, target_batch, ttt_loss
+from specjax.training.ttt import loss_rows
 
 # All-different dims: D=24, N=6, G=2, H=4, F=40, V=37, Vd=29, T=11, taps 3.
 CFG = HeadConfig(target_dim=24, target_vocab=37, target_layers=3,
@@ -158,8 +158,8 @@ def test_eagle_chain_drafting_greedy_identity(tmp_path, variant):
   over-fitted head then gets most drafts accepted (training and drafting
   pair features, tokens and positions the same way)."""
   from specjax import bucketing, engine
-  from specjax.eagle.drafter import EagleDrafter, EagleParams
-  from specjax.eagle.train import init_head
+  from specjax.drafters.eagle import EagleDrafter, EagleParams
+  from specjax.training.train import init_head
   from specjax.models.hf_loader import load_hf
   from tests.tiny_hf import make_tiny
   make_tiny("llama_gqa_tied", tmp_path, seed=3)
@@ -184,7 +184,7 @@ def test_eagle_chain_drafting_greedy_identity(tmp_path, variant):
   dparams = EagleParams(head=head, draft_ids=jnp.asarray(vocab.ids),
                          embed=tparams.embed)
   spec, st = run(engine.DecodeConfig(capacity=64,
-                                     drafter=EagleDrafter(hcfg, k),
+                                     drafter=EagleDrafter(hcfg),
                                      num_draft=k), dparams)
   assert spec == ar
   num = np.asarray(st.num_tokens)
@@ -231,7 +231,7 @@ def test_eagle_chain_drafting_greedy_identity(tmp_path, variant):
   assert float(m["acc"][0]) > float(m0["acc"][0]) + 0.2
   assert float(m["acc"][1]) > float(m0["acc"][1]) + 0.2
   trained, st = run(engine.DecodeConfig(capacity=64,
-                                        drafter=EagleDrafter(hcfg, k),
+                                        drafter=EagleDrafter(hcfg),
                                         num_draft=k),
                     dparams.replace(head=head))
   assert trained == ar
@@ -248,7 +248,7 @@ def test_leviathan_with_real_head_draft_probabilities(tmp_path):
   value; tests/test_verify.py shows the same check failing for wrong
   verifiers)."""
   from specjax import verify
-  from specjax.eagle.drafter import EagleDrafter, EagleParams
+  from specjax.drafters.eagle import EagleDrafter, EagleParams
   from specjax.models import llama
   from specjax.models.hf_loader import load_hf
   from specjax.sampling import SamplingParams, warp
@@ -267,8 +267,8 @@ def test_leviathan_with_real_head_draft_probabilities(tmp_path):
   prompt = jnp.array([[4, 8, 15, 16, 23, 30]], jnp.int32)
   out = llama.forward(tparams, tcfg, prompt,
                       llama.init_cache(tcfg, 1, 16), taps=hcfg.taps)
-  drafter = EagleDrafter(hcfg, k)
-  state = drafter.init(dparams, prompt, jnp.array([6]), 16,
+  drafter = EagleDrafter(hcfg)
+  state = drafter.init(dparams, prompt, jnp.array([6]), 16, k,
                        jnp.concatenate(list(out.taps), -1))
   tokens = jnp.zeros((1, 16), jnp.int32).at[0, :7].set(
       jnp.array([4, 8, 15, 16, 23, 30, 31]))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from experiments import gpu_kit, kit_device, kit_files, kit_plan
-from specjax.eagle.data import Examples
+from specjax.training.data import Examples
 
 MIB = kit_files.MIB
 
@@ -271,7 +271,7 @@ def test_last_call_sizes_the_run_and_compares_decoding(tmp_path):
   model = make_tiny_model(tmp_path / "m")
   ex = _examples(20)
   cfg = dataclasses.replace(CFG, steps=100, checkpoint_every=0, heldout=0)
-  from specjax.eagle import train as etrain
+  from specjax.training import train as etrain
   etrain.train(dataclasses.replace(cfg, steps=2), tmp_path / "h",
                model=model, examples=ex, progress=False)
   (tmp_path / "plan.json").write_text(json.dumps(dict(

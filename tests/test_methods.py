@@ -40,3 +40,23 @@ def test_unknown_method_and_bad_knobs(smollm2):
                        (methods.MethodSpec("layerskip", layers=30), "< 30")):
     with pytest.raises(methods.MethodError, match=needle):
       methods.build(smollm2, spec)
+
+
+def test_decoding_does_not_import_training():
+  """Invariant: everything a decode with a trained head imports (the CLI,
+  methods, engine, runner, every drafter with EAGLE's, the heads and their
+  file loader) pulls in neither the trainer (``specjax.training``) nor
+  optax or orbax. Run in a fresh interpreter: this one has them loaded."""
+  import subprocess
+  import sys
+  code = (
+      "import sys\n"
+      "import specjax, specjax.cli, specjax.methods, specjax.engine, "
+      "specjax.runner, specjax.drafters, specjax.drafters.eagle, "
+      "specjax.heads.eagle, specjax.heads.export, specjax.heads.vocab\n"
+      "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+      "('optax', 'orbax') or m.startswith('specjax.training'))\n"
+      "print(' '.join(bad))\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                       text=True, check=True).stdout.strip()
+  assert out == "", f"decoding imports training code: {out}"

@@ -76,14 +76,15 @@ def _drafter(smollm2, method, tmp_path_factory):
   if method == "eagle3_untrained":  # exactness cannot depend on training
     import jax
     import jax.numpy as jnp
-    from specjax.eagle import HeadConfig, build_draft_vocab
-    from specjax.eagle.drafter import EagleDrafter, EagleParams
-    from specjax.eagle.train import init_head
+    from specjax.heads.eagle import HeadConfig
+    from specjax.heads.vocab import build_draft_vocab
+    from specjax.drafters.eagle import EagleDrafter, EagleParams
+    from specjax.training.train import init_head
     vocab = build_draft_vocab([np.arange(2048)], cfg.vocab_size, 2048,
                               always=cfg.eos_ids)
     hcfg = HeadConfig.for_target(cfg, vocab.size)
     head = init_head(jax.random.key(0), hcfg, smollm2.params, vocab)
-    return (EagleDrafter(hcfg, 3),
+    return (EagleDrafter(hcfg),
             EagleParams(head=head, draft_ids=jnp.asarray(vocab.ids),
                          embed=smollm2.params.embed), 3)
   if method == "eagle3_shipped_dynamic_k":

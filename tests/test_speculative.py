@@ -71,6 +71,24 @@ def test_greedy_ngram_equals_ar_and_cache_rolls_back(tiny):
                                  ar_state.cache.k[layer][b, :, :, :n], atol=1e-5)
 
 
+def test_capacity_stops_speculation_where_ar_stops(tiny):
+  """Invariant: with a hand-picked capacity (not ``capacity_for``) and a
+  budget past it, greedy n-gram decoding fills every row's buffer exactly as
+  AR does: same tokens, every slot used, stop reason capacity. (Stopping a
+  row once ``num_tokens + K`` reached the capacity gave a strict prefix.)"""
+  cfg, params = tiny
+  capacity = bucketing.pad_prompts(PROMPTS)[0].shape[1] + 9
+  ar, _ = _run(params, cfg, engine.DecodeConfig(capacity=capacity),
+               max_new=100)
+  spec, st = _run(params, cfg, engine.DecodeConfig(
+      capacity=capacity, drafter=NGramDrafter(), num_draft=4), max_new=100)
+  assert spec == ar
+  for prompt, row, reason in zip(PROMPTS, spec, st.stop_reason):
+    assert len(prompt) + len(row) == capacity
+    assert int(reason) == engine.STOP_CAPACITY
+  assert np.asarray(st.accepted_at).sum() > 0  # drafts were really used
+
+
 def test_steps_without_drafts_verify_one_token(tiny):
   """Invariant: a single row verifies K + 1 tokens on steps where it drafted
   and the newest token alone where the n-gram lookup found nothing, and the
@@ -239,7 +257,7 @@ def test_dynamic_k_keeps_sampling_exact(tiny, tiny_draft, monkeypatch):
   ragged numbers of tokens. Mutation: the tempting rule "draft only
   confident *tokens*" (the drawn token's own probability vs the threshold)
   biases the output and the same check must fail."""
-  from specjax.drafters import draft_model
+  from specjax.drafters import chain
   cfg, params = tiny
   counts, expected, drafted = _joint_first_two(params, cfg, tiny_draft)
   stat, crit = _chi2(counts, expected)
@@ -249,7 +267,7 @@ def test_dynamic_k_keeps_sampling_exact(tiny, tiny_draft, monkeypatch):
   def biased(logits_BV, probs_BV, tok_B, min_confidence):
     return probs_BV[jnp.arange(tok_B.shape[0]), tok_B] >= min_confidence
 
-  monkeypatch.setattr(draft_model, "_keep_drafting", biased)
+  monkeypatch.setattr(chain, "keep_drafting", biased)
   jax.clear_caches()
   counts, expected, _ = _joint_first_two(params, cfg, tiny_draft)
   stat, crit = _chi2(counts, expected)

@@ -1,11 +1,13 @@
 """Drafters: where speculative tokens come from.
 
-A drafter is a frozen (hashable) dataclass -- a static argument of the jitted
-engine -- with three pure methods; its parameters (if any) travel separately
-as a pytree argument and its mutable state (e.g. its own KV cache) lives in
-``DecodeState.drafter_state``:
+A drafter (the ``base.Drafter`` protocol) is a frozen (hashable) dataclass --
+a static argument of the jitted engine -- with three pure methods; its
+parameters (if any) travel separately as a pytree argument and its mutable
+state (e.g. its own KV cache) lives in ``DecodeState.drafter_state``. K comes
+from ``DecodeConfig.num_draft``, passed to ``init`` and ``propose``:
 
-  init(params, prompt_BT, prompt_lengths_B, capacity, features) -> drafter_state
+  init(params, prompt_BT, prompt_lengths_B, capacity, num_draft, features)
+      -> drafter_state
   propose(params, drafter_state, tokens_BS, num_tokens_B, key, num_draft,
           sampling) -> Proposal
   commit(params, drafter_state, tokens_BS, num_tokens_B, features)
@@ -15,18 +17,20 @@ as a pytree argument and its mutable state (e.g. its own KV cache) lives in
 and returns up to K drafts per row; ``commit`` runs after verification with
 the new ``num_tokens`` so the drafter can roll its own state back by lengths.
 A drafter that reads the target's hidden states (EAGLE) names the layers in
-a ``feature_taps`` attribute; the engine then passes ``features``: the
+its ``feature_taps`` (empty for the others); the engine then passes ``features``: the
 concatenated inputs of those target layers for the tokens the target just ran
 (``[B, Tp, F]`` for the prompt at ``init``, ``[B, K + 1, F]`` for
 ``[newest token, drafts]`` at ``commit``); otherwise ``features`` is None.
 """
 
-from specjax.drafters.base import Proposal
+from specjax.drafters.base import Drafter, Proposal
 from specjax.drafters.draft_model import DraftModelDrafter, LayerSkipDrafter
+from specjax.drafters.eagle import EagleDrafter, EagleParams
 from specjax.drafters.ngram import NGramDrafter
 from specjax.drafters.retrieval import (Datastore, RetrievalDrafter,
                                         build_datastore, sharegpt_datastore)
 
-__all__ = ["Datastore", "DraftModelDrafter", "LayerSkipDrafter", "NGramDrafter",
+__all__ = ["Datastore", "DraftModelDrafter", "Drafter", "EagleDrafter", "EagleParams",
+           "LayerSkipDrafter", "NGramDrafter",
            "Proposal", "RetrievalDrafter", "build_datastore",
            "sharegpt_datastore"]

@@ -1,8 +1,8 @@
-"""What every drafter returns."""
+"""The drafter protocol, what a drafter returns, and the stateless base."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional, Protocol
 
 import jax
 from flax import struct
@@ -25,13 +25,44 @@ class Proposal:
   state: Any = None
 
 
+class Drafter(Protocol):
+  """What the engine calls (``specjax.drafters`` describes the contract).
+
+  A drafter is a frozen, hashable dataclass: a static argument of the jitted
+  engine. Its parameters travel as ``params``, its mutable state as
+  ``state`` (``DecodeState.drafter_state``). K, the drafts per step, lives in
+  ``DecodeConfig.num_draft`` alone and is passed to ``init`` (to size the
+  state) and to ``propose``.
+
+  Attributes:
+    feature_taps: target layers whose inputs the drafter reads (EAGLE); the
+      engine passes their concatenation as ``features``. Empty: none.
+  """
+  feature_taps: tuple[int, ...]
+
+  def init(self, params, prompt_BT, prompt_lengths_B, capacity: int,
+           num_draft: int, features=None) -> Any:
+    """The state after the prefill over ``prompt_BT``."""
+
+  def propose(self, params, state, tokens_BS, num_tokens_B, key,
+              num_draft: int, sampling) -> Proposal:
+    """Up to ``num_draft`` drafts per row after its committed tokens."""
+
+  def commit(self, params, state, tokens_BS, num_tokens_B, features=None
+             ) -> Any:
+    """The state after verification committed ``num_tokens_B``."""
+
+
 class Stateless:
   """Protocol methods for drafters that keep no state between steps (table
-  lookups): nothing to set up after the prefill, nothing to roll back."""
+  lookups): nothing to set up after the prefill, nothing to roll back, no
+  target features read."""
 
-  def init(self, params, prompt_BT, prompt_lengths_B, capacity,
+  feature_taps: ClassVar[tuple[int, ...]] = ()
+
+  def init(self, params, prompt_BT, prompt_lengths_B, capacity, num_draft,
            features=None):
-    del params, prompt_BT, prompt_lengths_B, capacity, features
+    del params, prompt_BT, prompt_lengths_B, capacity, num_draft, features
     return None
 
   def commit(self, params, state, tokens_BS, num_tokens_B, features=None):

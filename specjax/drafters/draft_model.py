@@ -9,29 +9,23 @@ K - 1 single-token forwards follow, each sampling from the *warped* draft
 distribution (the same ``sampling.warp`` the target uses). ``commit`` rolls
 the cache back to the committed prefix by lengths.
 
-Dynamic K: with ``min_confidence > 0`` a row stops drafting at the first
-position where the draft model's top probability (softmax of its raw logits,
-so the rule reads the same at every temperature) is below the threshold,
-and the draft loop exits early once every row has stopped. The rule looks at
-the distribution, never at the token drawn from it: whether position i is
-drafted must not depend on the draft itself, or the accepted tokens would be
-biased toward confident drafts and the output would no longer follow the
-target (a stopping rule may only use what is known before drawing). The
-verify forward keeps its fixed ``[B, K + 1]`` shape; the saving is in draft
-forwards and in drafts that would most likely be rejected.
+Dynamic K (``min_confidence > 0``, the rule in ``chain``): the verify
+forward keeps its fixed ``[B, K + 1]`` shape; the saving is in draft forwards
+and in drafts that would most likely be rejected.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 
 from specjax.drafters.base import Proposal
+from specjax.drafters.chain import draft_chain
 from specjax.models import llama
 from specjax.models.config import ModelConfig
-from specjax.sampling import sample, warp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +39,7 @@ class DraftModelDrafter:
   """
   config: ModelConfig
   min_confidence: float = 0.0
+  feature_taps: ClassVar[tuple[int, ...]] = ()
 
   def __post_init__(self):
     if not 0.0 <= self.min_confidence < 1.0:
@@ -55,9 +50,9 @@ class DraftModelDrafter:
     """The draft model's parameters inside the drafter params."""
     return params
 
-  def init(self, params, prompt_BT, prompt_lengths_B, capacity,
+  def init(self, params, prompt_BT, prompt_lengths_B, capacity, num_draft,
            features=None):
-    del features
+    del num_draft, features
     params = self.draft_params(params)
     cache = llama.init_cache(self.config, prompt_BT.shape[0], capacity,
                              params.embed.dtype)
@@ -74,42 +69,21 @@ class DraftModelDrafter:
   def propose(self, params, cache, tokens_BS, num_tokens_B, key, num_draft,
               sampling) -> Proposal:
     params = self.draft_params(params)
-    B, K, V = tokens_BS.shape[0], num_draft, self.config.vocab_size
+    B = tokens_BS.shape[0]
     rows = jnp.arange(B)
     start_B = jnp.maximum(num_tokens_B - 2, 0)
     pair_B2 = jnp.stack([tokens_BS[rows, start_B],
                          tokens_BS[rows, num_tokens_B - 1]], axis=1)
     out = llama.forward(params, self.config, pair_B2,
                         cache.with_lengths(start_B))
-    keys = jax.random.split(key, K)
 
-    def emit(i, logits_BV, carry):
-      """Draws draft i from the logits and records it for rows still on."""
-      drafts_BK, probs_BKV, num_B, active_B = carry
-      p_BV = warp(logits_BV, sampling)
-      tok_B = _draw(p_BV, keys[i], sampling)
-      active_B &= _keep_drafting(logits_BV, p_BV, tok_B, self.min_confidence)
-      drafts_BK = drafts_BK.at[:, i].set(jnp.where(active_B, tok_B, 0))
-      probs_BKV = jax.lax.dynamic_update_slice_in_dim(
-          probs_BKV, p_BV[:, None], i, axis=1)
-      return tok_B, (drafts_BK, probs_BKV, num_B + active_B, active_B)
-
-    record = (jnp.zeros((B, K), jnp.int32), jnp.zeros((B, K, V), jnp.float32),
-              jnp.zeros((B,), jnp.int32), jnp.ones((B,), bool))
-    tok_B, record = emit(0, out.logits[:, 1], record)
-
-    def body(carry):
-      i, cache, tok_B, record = carry
+    def step(tok_B, cache):
       o = llama.forward(params, self.config, tok_B[:, None], cache)
-      tok_B, record = emit(i, o.logits[:, 0], record)
-      return i + 1, o.cache, tok_B, record
+      return o.logits[:, 0], o.cache
 
-    def more(carry):
-      i, _, _, (_, _, _, active_B) = carry
-      return (i < K) & jnp.any(active_B)
-
-    _, cache, _, (drafts_BK, probs_BKV, num_B, _) = jax.lax.while_loop(
-        more, body, (jnp.int32(1), out.cache, tok_B, record))
+    drafts_BK, probs_BKV, num_B, cache = draft_chain(
+        out.logits[:, 1], step, out.cache, key, num_draft, sampling,
+        self.min_confidence)
     return Proposal(tokens=drafts_BK, probs=probs_BKV, num_draft=num_B,
                     state=cache)
 
@@ -134,17 +108,3 @@ class LayerSkipDrafter(DraftModelDrafter):
 
   def draft_params(self, params):
     return params.replace(layers=params.layers[:self.config.num_layers])
-
-
-def _keep_drafting(logits_BV, probs_BV, tok_B, min_confidence):
-  """Dynamic K: may this row propose the draft at this position? Reads the
-  draft distribution only (see module doc); the drawn token is an argument
-  so the mutation test can swap in the biased rule that looks at it."""
-  del probs_BV, tok_B
-  return jnp.max(jax.nn.softmax(logits_BV), axis=-1) >= min_confidence
-
-
-def _draw(probs_BV, key, sampling):
-  if sampling.greedy:
-    return jnp.argmax(probs_BV, axis=-1).astype(jnp.int32)
-  return sample(probs_BV, key)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from specjax.eagle.head import HeadConfig
+from specjax.heads.eagle import HeadConfig
 from specjax.models.config import ModelConfig
 
 

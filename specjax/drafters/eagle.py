@@ -25,8 +25,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.drafters.base import Proposal
-from specjax.eagle.head import HeadConfig, attend, head_module
-from specjax.sampling import sample, warp
+from specjax.drafters.chain import draft_chain
+from specjax.heads.eagle import HeadConfig, attend, head_module
 
 
 @struct.dataclass
@@ -58,9 +58,10 @@ class EagleState:
 
 @dataclasses.dataclass(frozen=True)
 class EagleDrafter:
-  """Chain drafting with an EAGLE-3 head (``cfg``), ``num_draft`` tokens per
-  step (it must equal ``DecodeConfig.num_draft``: the pending-feature buffer
-  has a fixed ``K + 1`` rows so the decode loop's state keeps its shape).
+  """Chain drafting with an EAGLE-3 head (``cfg``). ``init`` sizes the
+  pending-feature buffer to ``K + 1`` rows for the K it is given, so the
+  decode loop's state keeps its shape; ``propose`` checks it is asked for
+  that K.
 
   ``min_confidence`` > 0 gives dynamic K: a row's chain ends before the first
   draft whose head distribution (over Vd, before temperature) has its top
@@ -69,7 +70,6 @@ class EagleDrafter:
   one single-token target forward (``engine.step``).
   """
   cfg: HeadConfig
-  num_draft: int
   min_confidence: float = 0.0
 
   @property
@@ -100,7 +100,7 @@ class EagleDrafter:
     return out, state.replace(k=kc, v=vc)
 
   def init(self, params: EagleParams, prompt_BT, prompt_lengths_B, capacity,
-           features=None):
+           num_draft, features=None):
     """Pairs (g_t, x_{t+1}) for t < len - 1 go in the cache; the last
     prompt position's feature is pending (its token is the first sample)."""
     B, Tp = prompt_BT.shape
@@ -115,7 +115,7 @@ class EagleDrafter:
     last = jnp.take_along_axis(
         features, (prompt_lengths_B - 1)[:, None, None], axis=1)  # [B,1,F]
     pending = jnp.concatenate(
-        [last, jnp.zeros((B, self.num_draft) + last.shape[2:], last.dtype)],
+        [last, jnp.zeros((B, num_draft) + last.shape[2:], last.dtype)],
         axis=1)
     return state.replace(lengths=prompt_lengths_B - 1, pending=pending)
 
@@ -126,9 +126,9 @@ class EagleDrafter:
 
   def propose(self, params: EagleParams, state: EagleState, tokens_BS,
               num_tokens_B, key, num_draft, sampling) -> Proposal:
-    if num_draft != self.num_draft:
-      raise ValueError(f"EagleDrafter built for K={self.num_draft}, asked "
-                       f"for {num_draft}")
+    if state.pending.shape[1] != num_draft + 1:
+      raise ValueError(f"EagleDrafter state made for K="
+                       f"{state.pending.shape[1] - 1}, asked for {num_draft}")
     B, S = tokens_BS.shape
     K, V = num_draft, params.embed.shape[0]
     pending = state.pending
@@ -143,43 +143,22 @@ class EagleDrafter:
     stable_B = state.lengths + count_B  # == num_tokens - 1
     a_BD = jnp.take_along_axis(out_BPD, (count_B - 1)[:, None, None],
                                axis=1)[:, 0]
-    keys = jax.random.split(key, K)
 
-    def draw(a_BD, k):
+    def logits(a_BD):
+      """Head output -> logits over the full vocabulary (-inf off Vd)."""
       logits_BVd = self._call(params, "logits", a_BD[:, None])[:, 0]
-      full_BV = jnp.full((B, V), -jnp.inf, jnp.float32).at[
+      return jnp.full((B, V), -jnp.inf, jnp.float32).at[
           :, params.draft_ids].set(logits_BVd)
-      p_BV = warp(full_BV, sampling)
-      tok_B = (jnp.argmax(p_BV, -1).astype(jnp.int32) if sampling.greedy
-               else sample(p_BV, k))
-      conf_B = jnp.max(jax.nn.softmax(logits_BVd, axis=-1), axis=-1)
-      return tok_B, p_BV, conf_B
 
-    tok_B, p_BV, conf_B = draw(a_BD, keys[0])
-    active_B = conf_B >= self.min_confidence
-    record = (jnp.zeros((B, K), jnp.int32).at[:, 0].set(tok_B),
-              jnp.zeros((B, K, V), jnp.float32).at[:, 0].set(p_BV),
-              active_B.astype(jnp.int32), active_B)
-
-    def more(carry):
-      i, *_, (_, _, _, active_B) = carry
-      return (i < K) & jnp.any(active_B)
-
-    def body(carry):
-      # A while_loop, not a scan: with dynamic K most steps end here after
-      # one head step, so the remaining K - 1 are not paid for.
-      i, st, a_BD, tok_B, (drafts_BK, probs_BKV, num_B, active_B) = carry
+    def step(tok_B, carry):
+      st, a_BD = carry
       out, st = self._run(params, st, tok_B[:, None], a_BD[:, None])
-      nxt_B, p_BV, conf_B = draw(out[:, 0], keys[i])
-      active_B &= conf_B >= self.min_confidence
-      record = (drafts_BK.at[:, i].set(nxt_B),
-                jax.lax.dynamic_update_slice_in_dim(probs_BKV, p_BV[:, None],
-                                                    i, axis=1),
-                num_B + active_B, active_B)
-      return i + 1, st.replace(lengths=st.lengths + 1), out[:, 0], nxt_B, record
+      return logits(out[:, 0]), (st.replace(lengths=st.lengths + 1),
+                                 out[:, 0])
 
-    scratch = state.replace(lengths=stable_B)
-    *_, (drafts_BK, probs_BKV, num_B, _) = jax.lax.while_loop(
-        more, body, (jnp.int32(1), scratch, a_BD, tok_B, record))
+    scratch = state.replace(lengths=stable_B)  # draft entries: overwritten
+    drafts_BK, probs_BKV, num_B, _ = draft_chain(
+        logits(a_BD), step, (scratch, a_BD), key, K, sampling,
+        self.min_confidence)
     return Proposal(tokens=drafts_BK, probs=probs_BKV, num_draft=num_B,
                     state=state.replace(lengths=stable_B))

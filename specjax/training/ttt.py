@@ -33,9 +33,9 @@ import numpy as np
 import optax
 from flax import struct
 
-from specjax.eagle.fused_ce import fused_soft_ce
-from specjax.eagle.head import HeadConfig, attend, head_module
-from specjax.eagle.vocab import DraftVocab
+from specjax.training.fused_ce import fused_soft_ce
+from specjax.heads.eagle import HeadConfig, attend, head_module
+from specjax.heads.vocab import DraftVocab
 from specjax.models import llama
 from specjax.models.config import ModelConfig
 

@@ -26,11 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from specjax.eagle import data as edata
-from specjax.eagle.export import save_head
-from specjax.eagle.head import FROZEN, HeadConfig, head_module
-from specjax.eagle.ttt import loss_rows, target_batch, ttt_loss
-from specjax.eagle.vocab import DraftVocab, build_draft_vocab, draft_rows
+from specjax.training import data as edata
+from specjax.heads.export import save_head
+from specjax.heads.eagle import FROZEN, HeadConfig, head_module
+from specjax.training.ttt import loss_rows, target_batch, ttt_loss
+from specjax.heads.vocab import DraftVocab, build_draft_vocab, draft_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,7 +257,7 @@ def setup(cfg: TrainConfig, *, model=None,
                                        cfg.max_len, progress=progress)
   train_ex, heldout_ex = edata.split(examples, cfg.heldout, cfg.seed)
   if cfg.regenerate:
-    from specjax.eagle.regenerate import regenerate
+    from specjax.training.regenerate import regenerate
     from specjax.sampling import SamplingParams
     rewrite = lambda ex: regenerate(
         model, ex, max_new_tokens=cfg.regen_max_new_tokens,
@@ -267,7 +267,7 @@ def setup(cfg: TrainConfig, *, model=None,
                                                    len(train_ex)))))
     heldout_ex = rewrite(heldout_ex)
   if cfg.init_head:
-    from specjax.eagle.export import load_head
+    from specjax.heads.export import load_head
     hcfg, params, ids = load_head(cfg.init_head, tcfg)
     if hcfg.variant != cfg.variant:
       raise ValueError(f"init_head {cfg.init_head!r} is an {hcfg.variant} "
@@ -402,7 +402,7 @@ def _batches(cfg: TrainConfig, s: Setup, work: pathlib.Path, progress: bool):
     features = s.features()
     return s.train_ex, lambda idx, ex: features(s.model.params, s.vocab,
                                                 ex.ids, ex.mask)
-  from specjax.eagle import features as efeat
+  from specjax.training import features as efeat
   train_ex = trained_examples(cfg, s.train_ex)
   cache = efeat.build(s.model, cfg.model, s.hcfg, s.vocab, train_ex,
                       work / "features", progress=progress)

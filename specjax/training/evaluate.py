@@ -18,9 +18,9 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from specjax.eagle import data as edata
-from specjax.eagle.train import Setup, TrainConfig, trained_examples
-from specjax.eagle.ttt import ttt_loss
+from specjax.training import data as edata
+from specjax.training.train import Setup, TrainConfig, trained_examples
+from specjax.training.ttt import ttt_loss
 
 
 def expected_tau(acc, coverage: float = 1.0) -> float:

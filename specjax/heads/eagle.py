@@ -11,7 +11,7 @@ is an argument, never a parameter, so it is neither trained nor saved).
 layers ``HeadConfig.taps`` -- on a row's first step, and the head's own
 previous output afterwards (the recurrent feature). The module exposes the
 layer in pieces (``features``, ``project``, ``finish``, ``logits``) because
-training (TTT, ``specjax.eagle.ttt``) and drafting attend differently but
+training (TTT, ``specjax.training.ttt``) and drafting attend differently but
 share everything else.
 """
 

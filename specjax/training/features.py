@@ -38,10 +38,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from specjax.eagle import data as edata
-from specjax.eagle.head import HeadConfig
-from specjax.eagle.ttt import TTTBatch, target_outputs
-from specjax.eagle.vocab import DraftVocab
+from specjax.training import data as edata
+from specjax.heads.eagle import HeadConfig
+from specjax.training.ttt import TTTBatch, target_outputs
+from specjax.heads.vocab import DraftVocab
 
 _DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 

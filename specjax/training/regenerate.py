@@ -23,7 +23,7 @@ from typing import Optional
 
 import numpy as np
 
-from specjax.eagle.data import Examples
+from specjax.training.data import Examples
 from specjax.sampling import SamplingParams
 
 

@@ -1,0 +1,4 @@
+"""Training the draft heads: data and feature caches (``data``,
+``features``, ``regenerate``), the training-time test (``ttt``,
+``fused_ce``), the optax/orbax trainer (``train``) and held-out evaluation
+(``evaluate``). Decoding never imports this package."""
