@@ -90,6 +90,10 @@ def generate_ids(model: Model, prompts: Sequence[Sequence[int]], *,
   """
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+  V = model.config.vocab_size
+  bad = [t for p in prompts for t in p if not 0 <= int(t) < V]
+  if bad:  # an embedding lookup past the table gives NaN, not an error
+    raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {V})")
   pad_id = getattr(model.tokenizer, "pad_id", None) or 0
   prompt_BT, lengths_B = bucketing.pad_prompts(prompts, pad_id)
   dcfg = decode_config(model, prompt_BT.shape[1], max_new_tokens, sampling,

@@ -109,14 +109,16 @@ def test_attention_equals_xla_and_never_reads_stale_slots(B, T, N, G, H, S,
   q, k, v = normal(B, T, N, H), normal(B, G, H, S), normal(B, G, S, H)
   lens = jnp.asarray(lengths, jnp.int32)
   mask = jnp.asarray(rng.random((B, T, T)) < 0.5) | jnp.eye(T, dtype=bool)[None]
-  bias = jnp.repeat(jnp.where(llama.attention_mask(lens, mask, S), 0.0,
-                              -1e30), N // G, axis=1)
-  ref = llama._attention(q, k, v, bias)
+  visible = jnp.repeat(llama.attention_mask(lens, mask, S), N // G, axis=1)
+  ref = llama._attention(q, k, v, visible)
   f = jax.jit(native.attention)
   np.testing.assert_allclose(f(q, k, v, lens, mask), ref, atol=1e-5)
   for b, used in enumerate(np.minimum(np.asarray(lengths) + T, S)):
     k[b, :, :, used:], v[b, :, used:] = np.nan, np.inf
   np.testing.assert_allclose(f(q, k, v, lens, mask), ref, atol=1e-5)
+  # XLA's attention (GPU/TPU, bf16, prefill) ignores them too.
+  np.testing.assert_allclose(llama._attention(q, k, v, visible), ref,
+                             atol=1e-5)
 
 
 def _logits(params, cfg, prompt_BT, new_BT):

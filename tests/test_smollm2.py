@@ -143,3 +143,11 @@ def test_greedy_identical_on_xla_dot(smollm2, ar_rows):
   xla = runner.generate_ids(plain, prompts, max_new_tokens=40)
   assert [r.output_ids for r in xla.rows] == [r.output_ids for r in ar.rows]
 
+
+
+@pytest.mark.parametrize("bad", [-1, 49152])
+def test_out_of_vocabulary_prompt_ids_are_refused(smollm2, bad):
+  """Invariant: a prompt id outside [0, V) is refused before anything runs
+  and named (an embedding lookup past the table would give NaN logits)."""
+  with pytest.raises(ValueError, match=f"token id {bad} is outside"):
+    runner.generate_ids(smollm2, [[1, 2], [3, bad]], max_new_tokens=2)

@@ -200,12 +200,14 @@ def apply_rope(x_BTnH: jax.Array, cos_BTH: jax.Array,
   return out.astype(x_BTnH.dtype)
 
 
-def _attention(q_BTNH, kc_BGHS, vc_BGSH, bias_BQS):
+def _attention(q_BTNH, kc_BGHS, vc_BGSH, mask_BQS):
   """Attention of T new queries over the cache, new entries already written.
 
   Queries are grouped per kv head as Q = T*R rows so both products are plain
-  batched matmuls over (B, G) against the cache's layouts; ``bias_BQS`` is the
-  additive mask (0 or -1e30) for those rows, built once for all layers.
+  batched matmuls over (B, G) against the cache's layouts; ``mask_BQS`` says
+  which slots those rows see, built once for all layers. Masked scores are
+  replaced (not added to) and values no row sees are zeroed, so whatever a
+  stale slot holds (NaN, inf) never reaches the output.
   """
   B, T, N, H = q_BTNH.shape
   G = kc_BGHS.shape[1]
@@ -214,9 +216,12 @@ def _attention(q_BTNH, kc_BGHS, vc_BGSH, bias_BQS):
       0, 2, 1, 3, 4).reshape(B, G, T * R, H)
   s_BGQS = jnp.einsum("bgqh,bghs->bgqs", q_BGQH, kc_BGHS,
                       preferred_element_type=jnp.float32)
-  p_BGQS = jax.nn.softmax(s_BGQS + bias_BQS[:, None], axis=-1)
-  out_BGQH = jnp.einsum("bgqs,bgsh->bgqh", p_BGQS.astype(vc_BGSH.dtype),
-                        vc_BGSH)
+  p_BGQS = jax.nn.softmax(jnp.where(mask_BQS[:, None], s_BGQS, _NEG_INF),
+                          axis=-1)
+  seen_BS = jnp.any(mask_BQS, axis=1)
+  v_BGSH = jnp.where(seen_BS[:, None, :, None], vc_BGSH, 0)
+  out_BGQH = jnp.einsum("bgqs,bgsh->bgqh", p_BGQS.astype(v_BGSH.dtype),
+                        v_BGSH)
   return out_BGQH.reshape(B, G, T, R, H).transpose(0, 2, 1, 3, 4).reshape(
       B, T, N * H)
 
@@ -266,7 +271,7 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens_BT: jax.Array,
   if mask_BTT is None:
     mask_BTT = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
   mask_BTS = attention_mask(lengths_B, mask_BTT, cache.capacity)
-  bias_BQS = jnp.repeat(jnp.where(mask_BTS, 0.0, _NEG_INF), cfg.group_size,
+  mask_BQS = jnp.repeat(mask_BTS, cfg.group_size,
                         axis=1)  # query rows ordered (t, r), as in _attention
   slots_BT = cache.new_slots(T)
   # Packed weights mean the native CPU path: its attention too, for decode,
@@ -296,7 +301,7 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens_BT: jax.Array,
     # the write would make XLA copy them to keep the old values alive.
     ks[i], vs[i] = write_kv(ks[i], vs[i], k, v, slots_BT)
     attn = (native.attention(q, ks[i], vs[i], lengths_B, mask_BTT)
-            if native_attention else _attention(q, ks[i], vs[i], bias_BQS))
+            if native_attention else _attention(q, ks[i], vs[i], mask_BQS))
     x_BTD = x_BTD + linear(attn, lp.wo)
     h = rms_norm(x_BTD, lp.mlp_norm, cfg.norm_eps)
     gate, up = jnp.split(linear(h, lp.w_gate_up), 2, axis=-1)
