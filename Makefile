@@ -24,7 +24,7 @@ CXX    ?= g++
 
 install: $(STAMP) $(NATIVE)
 
-$(NATIVE): $(KERNELS) specjax/kernels/parallel.h $(STAMP)
+$(NATIVE): $(KERNELS) specjax/kernels/common.h $(STAMP)
 	$(CXX) -O3 -fno-trapping-math -std=c++17 -shared -fPIC \
 	  -isystem "$$($(BIN)/python -c 'import jax; print(jax.ffi.include_dir())')" \
 	  $(KERNELS) -o $@ || echo "specjax: warning: $(NATIVE) not built; XLA's ops are used"

@@ -240,8 +240,9 @@ def _score(params, state: DecodeState, prop: Proposal, live_B: jax.Array, *,
 def _emit(state: DecodeState, tokens_BT: jax.Array, num_emitted_B: jax.Array,
           live_B: jax.Array, dcfg: DecodeConfig):
   """Writes each live row's verified tokens at its own offset, cut after an
-  EOS, at the budget and at the buffer's end: ``(tokens, n, hit_eos)``, with
-  ``n[b]`` the tokens row b emitted."""
+  EOS and at the budget: ``(tokens, n, hit_eos)``, with ``n[b]`` the tokens
+  row b emitted. The buffer always has room: a live row has a free slot and
+  ``_propose`` clipped its drafts to the slots left."""
   B, T = tokens_BT.shape
   S = dcfg.capacity
   idx_T = jnp.arange(T)[None, :]
@@ -249,8 +250,8 @@ def _emit(state: DecodeState, tokens_BT: jax.Array, num_emitted_B: jax.Array,
   first_eos_B = jnp.where(jnp.any(eos_BT, axis=1),
                           jnp.argmax(eos_BT, axis=1), T)
   n_B = jnp.minimum(num_emitted_B, first_eos_B + 1)
-  n_B = jnp.minimum(n_B, state.max_new_tokens - state.num_new_tokens)
-  n_B = jnp.where(live_B, jnp.minimum(n_B, S - state.num_tokens), 0)
+  n_B = jnp.where(live_B, jnp.minimum(
+      n_B, state.max_new_tokens - state.num_new_tokens), 0)
   slots_BT = jnp.where(idx_T < n_B[:, None], state.num_tokens[:, None] + idx_T,
                        S)
   tokens = state.tokens.at[jnp.arange(B)[:, None], slots_BT].set(

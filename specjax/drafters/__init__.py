@@ -17,10 +17,11 @@ from ``DecodeConfig.num_draft``, passed to ``init`` and ``propose``:
 and returns up to K drafts per row; ``commit`` runs after verification with
 the new ``num_tokens`` so the drafter can roll its own state back by lengths.
 A drafter that reads the target's hidden states (EAGLE) names the layers in
-its ``feature_taps`` (empty for the others); the engine then passes ``features``: the
-concatenated inputs of those target layers for the tokens the target just ran
-(``[B, Tp, F]`` for the prompt at ``init``, ``[B, K + 1, F]`` for
-``[newest token, drafts]`` at ``commit``); otherwise ``features`` is None.
+its ``feature_taps`` (empty for the others); the engine then passes
+``features``: the concatenated inputs of those target layers for the tokens
+the target just ran (``[B, Tp, F]`` for the prompt at ``init``,
+``[B, K + 1, F]`` for ``[newest token, drafts]`` at ``commit``); otherwise
+``features`` is None.
 """
 
 from specjax.drafters.base import Drafter, Proposal
@@ -30,7 +31,7 @@ from specjax.drafters.ngram import NGramDrafter
 from specjax.drafters.retrieval import (Datastore, RetrievalDrafter,
                                         build_datastore, sharegpt_datastore)
 
-__all__ = ["Datastore", "DraftModelDrafter", "Drafter", "EagleDrafter", "EagleParams",
-           "LayerSkipDrafter", "NGramDrafter",
+__all__ = ["Datastore", "DraftModelDrafter", "Drafter", "EagleDrafter",
+           "EagleParams", "LayerSkipDrafter", "NGramDrafter",
            "Proposal", "RetrievalDrafter", "build_datastore",
            "sharegpt_datastore"]

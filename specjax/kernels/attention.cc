@@ -22,7 +22,7 @@
 #include <limits>
 #include <vector>
 
-#include "parallel.h"
+#include "common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -249,11 +249,7 @@ __attribute__((target("avx2,fma"))) void attend_avx2(const Task& t,
 }
 
 // The variant for this CPU and head size, chosen by the CPU's features.
-bool has_avx2() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
-const bool kAvx2 = has_avx2();
+const bool kAvx2 = specjax::has_avx2_fma();
 
 void attend(const Task& t, float* qs, float* scores) {
   if (kAvx2 && t.H % 8 == 0)

@@ -23,7 +23,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "parallel.h"
+#include "common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -105,14 +105,8 @@ using BlockFn = void (*)(const float*, int64_t, const float*, int64_t,
 const BlockFn kAvx2[kRows + 1] = SPECJAX_BLOCKS(block_avx2);
 const BlockFn kGeneric[kRows + 1] = SPECJAX_BLOCKS(block_generic);
 
-// The block kernels for this CPU, chosen once by its features (an ISA
-// check, not a model check).
-const BlockFn* choose_blocks() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
-             ? kAvx2 : kGeneric;
-}
-const BlockFn* const kBlocks = choose_blocks();
+// The block kernels for this CPU, chosen once by its features.
+const BlockFn* const kBlocks = specjax::has_avx2_fma() ? kAvx2 : kGeneric;
 
 // Rows in blocks of at most kRows, shared out evenly (16 rows as 6 + 5 + 5,
 // 8 as 4 + 4).

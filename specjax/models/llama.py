@@ -271,8 +271,8 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens_BT: jax.Array,
   if mask_BTT is None:
     mask_BTT = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
   mask_BTS = attention_mask(lengths_B, mask_BTT, cache.capacity)
-  mask_BQS = jnp.repeat(mask_BTS, cfg.group_size,
-                        axis=1)  # query rows ordered (t, r), as in _attention
+  # Query rows ordered (t, r), as in _attention.
+  mask_BQS = jnp.repeat(mask_BTS, cfg.group_size, axis=1)
   slots_BT = cache.new_slots(T)
   # Packed weights mean the native CPU path: its attention too, for decode,
   # verify and tree widths (prefill's long T stays on XLA's batched dots).

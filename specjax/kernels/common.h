@@ -1,6 +1,7 @@
-// Work shared out over XLA's intra-op thread pool, for the FFI kernels.
-#ifndef SPECJAX_KERNELS_PARALLEL_H_
-#define SPECJAX_KERNELS_PARALLEL_H_
+// What the FFI kernels share: the CPU check their AVX2 variants dispatch on,
+// and work shared out over XLA's intra-op thread pool.
+#ifndef SPECJAX_KERNELS_COMMON_H_
+#define SPECJAX_KERNELS_COMMON_H_
 
 #include <algorithm>
 #include <atomic>
@@ -11,6 +12,13 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace specjax {
+
+// Whether this CPU runs the AVX2 + FMA variants (an ISA check, not a model
+// check).
+inline bool has_avx2_fma() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
 
 // Runs fn(i) for i in [0, n). Items go out from a shared counter: the
 // caller and the pool's threads take items until none is left, and the
@@ -42,4 +50,4 @@ void parallel_for(xla::ffi::ThreadPool& pool, int64_t n, const Fn& fn) {
 
 }  // namespace specjax
 
-#endif  // SPECJAX_KERNELS_PARALLEL_H_
+#endif  // SPECJAX_KERNELS_COMMON_H_
