@@ -57,6 +57,7 @@ def main(argv=None):
     if path:
       open(path, "a", encoding="utf-8").close()
 
+  from experiments.common import machine
   from specjax import bench, data, methods
   from specjax.models.llama import is_packed
   from specjax.models.registry import load_model
@@ -69,10 +70,11 @@ def main(argv=None):
          for p in prompts]
   built = [(s, *methods.build(model, s)) for s in specs]
 
-  matmul = "native" if is_packed(model.params) else "xla"
+  provenance = {"matmul": "native" if is_packed(model.params) else "xla",
+                "machine": machine()}
 
   def emit(result):
-    line = json.dumps(dict(result, matmul=matmul))
+    line = json.dumps(dict(result, **provenance))
     print(line, flush=True)
     if args.json:
       with open(args.json, "a", encoding="utf-8") as f:
