@@ -6,8 +6,9 @@ import numpy as np
 import optax
 import pytest
 
-from specjax.heads.eagle import Eagle3Head, HeadConfig, attend
+from specjax.heads.eagle import Eagle3Head, HeadConfig
 from specjax.heads.vocab import build_draft_vocab
+from specjax.models import llama
 from specjax.training.ttt import TTTBatch, dense_mask, target_batch, ttt_loss
 from specjax.training.ttt import loss_rows
 
@@ -69,8 +70,12 @@ def _loop_loss(params, embed, batch, K, decay=0.8, stop_feedback=False):
     q, kk, vv, resid = call("project", tok, h, embed, pos + k)
     ks.append(kk)
     vs.append(vv)
-    attn = attend(q, [(jnp.concatenate(ks, 1), jnp.concatenate(vs, 1),
-                       jnp.asarray(dense_mask(T, k))[None])])
+    # Decoding's attention over every step's keys side by side.
+    k_BSGH, v_BSGH = jnp.concatenate(ks, 1), jnp.concatenate(vs, 1)
+    mask = jnp.repeat(jnp.broadcast_to(dense_mask(T, k), (B, T, (k + 1) * T)),
+                      CFG.num_heads // CFG.num_kv_heads, axis=1)
+    attn = llama.attention(q, k_BSGH.transpose(0, 2, 3, 1),
+                           v_BSGH.transpose(0, 2, 1, 3), mask)
     out = call("finish", resid, attn)
     logits = call("logits", out)
     ce = -jnp.sum(jax.nn.softmax(tgt) * jax.nn.log_softmax(logits), -1)
@@ -249,7 +254,6 @@ def test_leviathan_with_real_head_draft_probabilities(tmp_path):
   verifiers)."""
   from specjax import verify
   from specjax.drafters.eagle import EagleDrafter, EagleParams
-  from specjax.models import llama
   from specjax.models.hf_loader import load_hf
   from specjax.sampling import SamplingParams, warp
   from tests.test_verify import N, _chi2_ok, _draft

@@ -100,8 +100,8 @@ def test_vmap_over_the_custom_call():
 def test_attention_equals_xla_and_never_reads_stale_slots(B, T, N, G, H, S,
                                                          lengths):
   """Invariants: the native attention over a cache with ragged lengths and a
-  random tree mask (each token sees itself) equals ``llama._attention`` with
-  the additive mask (1e-5); with NaN/inf in every slot past a row's new
+  random tree mask (each token sees itself) equals ``llama.attention`` under
+  the same mask (1e-5); with NaN/inf in every slot past a row's new
   tokens the output is unchanged: stale slots are not read."""
   from specjax.models import llama
   rng = np.random.default_rng(B * T * S)
@@ -109,15 +109,15 @@ def test_attention_equals_xla_and_never_reads_stale_slots(B, T, N, G, H, S,
   q, k, v = normal(B, T, N, H), normal(B, G, H, S), normal(B, G, S, H)
   lens = jnp.asarray(lengths, jnp.int32)
   mask = jnp.asarray(rng.random((B, T, T)) < 0.5) | jnp.eye(T, dtype=bool)[None]
-  visible = jnp.repeat(llama.attention_mask(lens, mask, S), N // G, axis=1)
-  ref = llama._attention(q, k, v, visible)
+  visible = llama.query_mask(lens, mask, S, N // G)
+  ref = llama.attention(q, k, v, visible)
   f = jax.jit(native.attention)
   np.testing.assert_allclose(f(q, k, v, lens, mask), ref, atol=1e-5)
   for b, used in enumerate(np.minimum(np.asarray(lengths) + T, S)):
     k[b, :, :, used:], v[b, :, used:] = np.nan, np.inf
   np.testing.assert_allclose(f(q, k, v, lens, mask), ref, atol=1e-5)
   # XLA's attention (GPU/TPU, bf16, prefill) ignores them too.
-  np.testing.assert_allclose(llama._attention(q, k, v, visible), ref,
+  np.testing.assert_allclose(llama.attention(q, k, v, visible), ref,
                              atol=1e-5)
 
 

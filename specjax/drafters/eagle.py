@@ -24,9 +24,11 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from specjax.cache import KVCache, write_kv
 from specjax.drafters.base import Proposal
 from specjax.drafters.chain import draft_chain
-from specjax.heads.eagle import HeadConfig, attend, head_module
+from specjax.heads.eagle import HeadConfig, head_module
+from specjax.models import llama
 
 
 @struct.dataclass
@@ -46,14 +48,19 @@ class EagleParams:
 @struct.dataclass
 class EagleState:
   """Attributes:
-    k, v: ``[B, S, G, H]`` the head's KV cache.
-    lengths: ``int32[B]`` stable (committed-pair) entries.
+    cache: the head's one-layer ``KVCache`` (the target's layout and code);
+      its lengths count the stable (committed-pair) entries.
     pending: ``[B, K + 1, F]`` target features of the last verified block.
   """
-  k: jax.Array
-  v: jax.Array
-  lengths: jax.Array
+  cache: KVCache
   pending: jax.Array
+
+  @property
+  def lengths(self) -> jax.Array:
+    return self.cache.lengths
+
+  def with_lengths(self, lengths_B: jax.Array) -> "EagleState":
+    return self.replace(cache=self.cache.with_lengths(lengths_B))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,23 +88,21 @@ class EagleDrafter:
                                        method=method)
 
   def _run(self, params, state: EagleState, tok_BT, h_BTD):
-    """Head layer over T new pairs written at each row's cache end. Pairs
-    past a row's valid count are harmless: causality hides them from the
-    valid ones, and the next write starts at the row's stable length."""
+    """Head layer over T new pairs written at each row's cache end, on the
+    target's attention code (prefix + causal). Pairs past a row's valid
+    count are harmless: causality hides them from the valid ones, and the
+    next write starts at the row's stable length."""
     B, T = tok_BT.shape
-    S = state.k.shape[1]
-    pos_BT = state.lengths[:, None] + jnp.arange(T)[None, :]
+    c, cache = self.cfg, state.cache
+    slots_BT = cache.new_slots(T)
     q, k, v, resid = self._call(params, "project", tok_BT, h_BTD,
-                                params.embed, pos_BT)
-    rows = jnp.arange(B)[:, None]
-    slots = jnp.where(pos_BT < S, pos_BT, S)
-    kc = state.k.at[rows, slots].set(k, mode="drop")
-    vc = state.v.at[rows, slots].set(v, mode="drop")
-    s_S = jnp.arange(S)[None, None, :]
-    mask = s_S <= pos_BT[:, :, None]  # prefix + causal within the block
+                                params.embed, slots_BT)
+    kc, vc = write_kv(cache.k[0], cache.v[0], k, v, slots_BT)
+    mask_BQS = llama.query_mask(cache.lengths, llama.causal_mask(B, T),
+                                cache.capacity, c.num_heads // c.num_kv_heads)
     out = self._call(params, "finish", resid,
-                     attend(q, [(kc, vc, mask)]))
-    return out, state.replace(k=kc, v=vc)
+                     llama.attention(q, kc, vc, mask_BQS))
+    return out, state.replace(cache=cache.replace(k=(kc,), v=(vc,)))
 
   def init(self, params: EagleParams, prompt_BT, prompt_lengths_B, capacity,
            num_draft, features=None):
@@ -105,10 +110,9 @@ class EagleDrafter:
     prompt position's feature is pending (its token is the first sample)."""
     B, Tp = prompt_BT.shape
     c = self.cfg
-    z = jnp.zeros((B, capacity, c.num_kv_heads, c.head_dim),
-                  params.embed.dtype)
-    state = EagleState(k=z, v=z, lengths=jnp.zeros((B,), jnp.int32),
-                        pending=None)
+    state = EagleState(cache=KVCache.init(1, B, capacity, c.num_kv_heads,
+                                          c.head_dim, params.embed.dtype),
+                       pending=None)
     h = self._call(params, "features", features)
     nxt = jnp.concatenate([prompt_BT[:, 1:], prompt_BT[:, -1:]], axis=1)
     _, state = self._run(params, state, nxt, h)
@@ -117,7 +121,7 @@ class EagleDrafter:
     pending = jnp.concatenate(
         [last, jnp.zeros((B, num_draft) + last.shape[2:], last.dtype)],
         axis=1)
-    return state.replace(lengths=prompt_lengths_B - 1, pending=pending)
+    return state.with_lengths(prompt_lengths_B - 1).replace(pending=pending)
 
   def commit(self, params, state: EagleState, tokens_BS, num_tokens_B,
              features=None):
@@ -153,12 +157,11 @@ class EagleDrafter:
     def step(tok_B, carry):
       st, a_BD = carry
       out, st = self._run(params, st, tok_B[:, None], a_BD[:, None])
-      return logits(out[:, 0]), (st.replace(lengths=st.lengths + 1),
-                                 out[:, 0])
+      return logits(out[:, 0]), (st.with_lengths(st.lengths + 1), out[:, 0])
 
-    scratch = state.replace(lengths=stable_B)  # draft entries: overwritten
+    scratch = state.with_lengths(stable_B)  # draft entries: overwritten
     drafts_BK, probs_BKV, num_B, _ = draft_chain(
         logits(a_BD), step, (scratch, a_BD), key, K, sampling,
         self.min_confidence)
     return Proposal(tokens=drafts_BK, probs=probs_BKV, num_draft=num_B,
-                    state=state.replace(lengths=stable_B))
+                    state=state.with_lengths(stable_B))

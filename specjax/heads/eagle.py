@@ -10,9 +10,11 @@ is an argument, never a parameter, so it is neither trained nor saved).
 ``h`` is ``fc(concat(taps))`` -- the target's residual stream at the inputs of
 layers ``HeadConfig.taps`` -- on a row's first step, and the head's own
 previous output afterwards (the recurrent feature). The module exposes the
-layer in pieces (``features``, ``project``, ``finish``, ``logits``) because
-training (TTT, ``specjax.training.ttt``) and drafting attend differently but
-share everything else.
+layer in pieces (``features``, ``project``, ``finish``, ``logits``) so the
+attention between ``project`` and ``finish`` is the caller's: drafting runs
+the target's own (``llama.attention`` over a one-layer ``KVCache``, RoPE from
+``llama.rope``), training the TTT block form of the same rule
+(``specjax.training.ttt.attend_blocks``, tested equal to it).
 """
 
 from __future__ import annotations
@@ -22,10 +24,10 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from specjax.models.config import ModelConfig
-from specjax.models.llama import apply_rope
+from specjax.models.llama import (apply_rope, attention, causal_mask,
+                                  query_mask, rope, rope_inv_freq)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,9 +121,11 @@ class Eagle3Head(nn.Module):
     """Init helper and a plain causal single step (tests, shape checks)."""
     h = self.features(taps_BTF)
     q, k, v, resid = self.project(tok_BT, h, embed_VD, positions_BT)
-    T = tok_BT.shape[1]
-    causal = jnp.tril(jnp.ones((T, T), bool))
-    attn = attend(q, [(k, v, causal[None])])
+    B, T = tok_BT.shape
+    mask = query_mask(jnp.zeros((B,), jnp.int32), causal_mask(B, T), T,
+                      self.cfg.num_heads // self.cfg.num_kv_heads)
+    attn = attention(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3),
+                     mask)
     return self.logits(self.finish(resid, attn))
 
   def features(self, taps_BTF):
@@ -136,7 +140,8 @@ class Eagle3Head(nn.Module):
     return (*_qkv(self, z_BT2D, positions_BT), h_BTD)
 
   def finish(self, resid_BTD, attn_BTNH):
-    """Attention output onto the residual, then the SwiGLU MLP."""
+    """Attention output (``[B, T, N, H]`` or ``[B, T, N * H]``) onto the
+    residual, then the SwiGLU MLP."""
     return _finish(self, resid_BTD, attn_BTNH)
 
   def logits(self, out_BTD):
@@ -212,7 +217,7 @@ def _qkv(m, z_BTX, positions_BT):
   q = m.wq(z_BTX).reshape(B, T, c.num_heads, c.head_dim)
   k = m.wk(z_BTX).reshape(B, T, c.num_kv_heads, c.head_dim)
   v = m.wv(z_BTX).reshape(B, T, c.num_kv_heads, c.head_dim)
-  cos, sin = rope_tables(positions_BT, c.head_dim, c.rope_theta)
+  cos, sin = rope(positions_BT, rope_inv_freq(c.head_dim, c.rope_theta))
   return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
@@ -221,54 +226,3 @@ def _finish(m, resid_BTD, attn_BTNH):
   r = resid_BTD + m.wo(attn_BTNH.reshape(B, T, -1))
   x = m.mlp_norm(r)
   return r + m.w_down(jax.nn.silu(m.w_gate(x)) * m.w_up(x))
-
-
-def rope_tables(positions_BT, head_dim: int, theta: float):
-  """cos/sin ``[B, T, H]`` (halves repeated) for ``llama.apply_rope``."""
-  inv = 1.0 / (theta ** (np.arange(head_dim // 2, dtype=np.float64) * 2
-                         / head_dim))
-  ang = (positions_BT[..., None].astype(jnp.float32)
-         * inv.astype(np.float32)[None, None, :])
-  ang = jnp.concatenate([ang, ang], axis=-1)
-  return jnp.cos(ang), jnp.sin(ang)
-
-
-def attend(q_BTNH, blocks) -> jax.Array:
-  """Attention of queries over several key blocks with one joint softmax.
-
-  ``blocks``: ``(k, v, mask)`` triples; ``k``/``v`` are ``[B, S, G, H]`` with
-  a ``bool`` mask broadcastable to ``[B, T, S]`` (query t may see key s), or
-  ``[B, T, G, H]`` with mask ``None`` marking a *diagonal* block: query t sees
-  only key t of it (the TTT rule for the head's own earlier steps); a
-  diagonal block may also come with a ``bool[B, T]`` validity instead.
-  Scores and softmax are f32.
-  """
-  B, T, N, H = q_BTNH.shape
-  G = blocks[0][0].shape[2]
-  q = (q_BTNH.reshape(B, T, G, N // G, H) * H ** -0.5).astype(jnp.float32)
-  scores, values = [], []
-  for k, v, mask in blocks:
-    if mask is None or mask.ndim == 2:  # diagonal block
-      s = jnp.einsum("btgrh,btgh->bgrt", q, k.astype(jnp.float32))[..., None]
-      if mask is not None:
-        s = jnp.where(mask[:, None, None, :, None], s, -1e30)
-      scores.append(s)
-      values.append((v, None))
-    else:
-      s = jnp.einsum("btgrh,bsgh->bgrts", q, k.astype(jnp.float32))
-      s = jnp.where(jnp.broadcast_to(mask, (B, T, k.shape[1]))[:, None, None],
-                    s, -1e30)
-      scores.append(s)
-      values.append((v, k.shape[1]))
-  p = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
-  out, col = 0.0, 0
-  for v, width in values:
-    if width is None:
-      out = out + jnp.einsum("bgrt,btgh->btgrh", p[..., col],
-                             v.astype(jnp.float32))
-      col += 1
-    else:
-      out = out + jnp.einsum("bgrts,bsgh->btgrh", p[..., col:col + width],
-                             v.astype(jnp.float32))
-      col += width
-  return out.reshape(B, T, N, H).astype(q_BTNH.dtype)

@@ -170,12 +170,13 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
   return x32.astype(x.dtype) * jnp.broadcast_to(weight, x.shape)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-  """``[H/2]`` inverse frequencies, with Llama-3 scaling when configured."""
-  half = cfg.head_dim // 2
-  inv = 1.0 / (cfg.rope_theta ** (np.arange(half, dtype=np.float64) * 2
-                                  / cfg.head_dim))
-  sc = cfg.rope_scaling
+def rope_inv_freq(head_dim: int, theta: float,
+                  scaling=None) -> np.ndarray:
+  """``[H/2]`` inverse frequencies, with Llama-3 scaling when given
+  (``ModelConfig.rope_scaling``)."""
+  half = head_dim // 2
+  inv = 1.0 / (theta ** (np.arange(half, dtype=np.float64) * 2 / head_dim))
+  sc = scaling
   if sc is None:
     return inv.astype(np.float32)
   low_wavelen = sc.original_max_position / sc.low_freq_factor
@@ -189,6 +190,14 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
   return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
+def rope(positions_BT: jax.Array, inv_freq_h: np.ndarray):
+  """cos, sin ``f32[B, T, H]`` (halves repeated) for ``apply_rope``."""
+  angles_BTh = (positions_BT[..., None].astype(jnp.float32)
+                * inv_freq_h[None, None, :])
+  angles_BTH = jnp.concatenate([angles_BTh, angles_BTh], axis=-1)
+  return jnp.cos(angles_BTH), jnp.sin(angles_BTH)
+
+
 def apply_rope(x_BTnH: jax.Array, cos_BTH: jax.Array,
                sin_BTH: jax.Array) -> jax.Array:
   """Half-split ("rotate_half") RoPE over the last axis, math in f32."""
@@ -200,12 +209,13 @@ def apply_rope(x_BTnH: jax.Array, cos_BTH: jax.Array,
   return out.astype(x_BTnH.dtype)
 
 
-def _attention(q_BTNH, kc_BGHS, vc_BGSH, mask_BQS):
-  """Attention of T new queries over the cache, new entries already written.
+def attention(q_BTNH, kc_BGHS, vc_BGSH, mask_BQS):
+  """Attention of T new queries over the cache, new entries already written
+  (the target's layers and the EAGLE heads' drafting layer alike).
 
   Queries are grouped per kv head as Q = T*R rows so both products are plain
   batched matmuls over (B, G) against the cache's layouts; ``mask_BQS`` says
-  which slots those rows see, built once for all layers. Masked scores are
+  which slots those rows see (``query_mask``). Masked scores are
   replaced (not added to) and values no row sees are zeroed, so whatever a
   stale slot holds (NaN, inf) never reaches the output.
   """
@@ -240,6 +250,20 @@ def attention_mask(lengths_B: jax.Array, mask_BTT: jax.Array,
   return (rel_BS < 0)[:, None, :] | (is_new_BS[:, None, :] & new_BTS)
 
 
+def query_mask(lengths_B: jax.Array, mask_BTT: jax.Array, capacity: int,
+               group_size: int) -> jax.Array:
+  """``bool[B, Q, S]``: ``attention_mask`` for ``attention``'s query rows,
+  Q = T * group_size ordered (t, r)."""
+  return jnp.repeat(attention_mask(lengths_B, mask_BTT, capacity), group_size,
+                    axis=1)
+
+
+def causal_mask(batch: int, num_new: int) -> jax.Array:
+  """``bool[B, T, T]``: each new token sees itself and the ones before it."""
+  return jnp.broadcast_to(jnp.tril(jnp.ones((num_new, num_new), bool)),
+                          (batch, num_new, num_new))
+
+
 def forward(params: LlamaParams, cfg: ModelConfig, tokens_BT: jax.Array,
             cache: KVCache, *, positions_BT: Optional[jax.Array] = None,
             mask_BTT: Optional[jax.Array] = None, taps: Sequence[int] = (),
@@ -269,20 +293,16 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens_BT: jax.Array,
   if positions_BT is None:
     positions_BT = lengths_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
   if mask_BTT is None:
-    mask_BTT = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
-  mask_BTS = attention_mask(lengths_B, mask_BTT, cache.capacity)
-  # Query rows ordered (t, r), as in _attention.
-  mask_BQS = jnp.repeat(mask_BTS, cfg.group_size, axis=1)
+    mask_BTT = causal_mask(B, T)
+  mask_BQS = query_mask(lengths_B, mask_BTT, cache.capacity, cfg.group_size)
   slots_BT = cache.new_slots(T)
   # Packed weights mean the native CPU path: its attention too, for decode,
   # verify and tree widths (prefill's long T stays on XLA's batched dots).
   native_attention = (is_packed(params) and T <= NATIVE_ATTENTION_MAX_T
                       and native.available())
 
-  angles_BTh = (positions_BT[..., None].astype(jnp.float32)
-                * rope_inv_freq(cfg)[None, None, :])
-  angles_BTH = jnp.concatenate([angles_BTh, angles_BTh], axis=-1)
-  cos_BTH, sin_BTH = jnp.cos(angles_BTH), jnp.sin(angles_BTH)
+  cos_BTH, sin_BTH = rope(positions_BT, rope_inv_freq(
+      cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
 
   N, G, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   x_BTD = jnp.take(params.embed, tokens_BT, axis=0)
@@ -301,7 +321,7 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens_BT: jax.Array,
     # the write would make XLA copy them to keep the old values alive.
     ks[i], vs[i] = write_kv(ks[i], vs[i], k, v, slots_BT)
     attn = (native.attention(q, ks[i], vs[i], lengths_B, mask_BTT)
-            if native_attention else _attention(q, ks[i], vs[i], mask_BQS))
+            if native_attention else attention(q, ks[i], vs[i], mask_BQS))
     x_BTD = x_BTD + linear(attn, lp.wo)
     h = rms_norm(x_BTD, lp.mlp_norm, cfg.norm_eps)
     gate, up = jnp.split(linear(h, lp.w_gate_up), 2, axis=-1)

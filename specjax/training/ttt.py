@@ -34,7 +34,7 @@ import optax
 from flax import struct
 
 from specjax.training.fused_ce import fused_soft_ce
-from specjax.heads.eagle import HeadConfig, attend, head_module
+from specjax.heads.eagle import HeadConfig, head_module
 from specjax.heads.vocab import DraftVocab
 from specjax.models import llama
 from specjax.models.config import ModelConfig
@@ -194,7 +194,7 @@ def ttt_loss(params, cfg: HeadConfig, embed_VD, batch: TTTBatch,
 
   tok, probs, arg, w = _step_inputs(p, 0, T)
   q, k0, v0, resid = call("project", tok, h, embed_VD, pos_BT)
-  out = call("finish", resid, attend(q, [(k0, v0, causal)]))
+  out = call("finish", resid, attend_blocks(q, [(k0, v0, causal)]))
   first = step_loss(0, out, probs, arg, w)
   if K == 1:
     stats = [jnp.stack([x]) for x in first]
@@ -209,7 +209,7 @@ def ttt_loss(params, cfg: HeadConfig, embed_VD, batch: TTTBatch,
       kd, vd = kd.at[k - 1].set(kk), vd.at[k - 1].set(vv)
       blocks = [(k0, v0, causal)] + [
           (kd[j], vd[j], jnp.broadcast_to(j < k, (B, T))) for j in range(K - 1)]
-      out = call("finish", resid, attend(q, blocks))
+      out = call("finish", resid, attend_blocks(q, blocks))
       return (out, kd, vd), step_loss(k, out, probs, arg, w)
 
     _, rest = jax.lax.scan(body, (out, zeros, zeros), jnp.arange(1, K))
@@ -218,3 +218,46 @@ def ttt_loss(params, cfg: HeadConfig, embed_VD, batch: TTTBatch,
   total = jnp.sum(decay ** jnp.arange(K) * losses)
   assistant = jnp.sum(jax.lax.dynamic_slice_in_dim(p["loss_mask"], 2, T, 1))
   return total, dict(loss=losses, acc=accs, count=counts, assistant=assistant)
+
+
+def attend_blocks(q_BTNH, blocks) -> jax.Array:
+  """Attention of queries over several key blocks with one joint softmax.
+
+  ``blocks``: ``(k, v, mask)`` triples; ``k``/``v`` are ``[B, S, G, H]`` with
+  a ``bool`` mask broadcastable to ``[B, T, S]`` (query t may see key s), or
+  ``[B, T, G, H]`` with mask ``None`` marking a *diagonal* block: query t sees
+  only key t of it (the TTT rule for the head's own earlier steps); a
+  diagonal block may also come with a ``bool[B, T]`` validity instead.
+  Scores and softmax are f32. Decoding's ``llama.attention`` over the
+  keys side by side with the dense mask (``dense_mask``) computes the same
+  (tests/test_eagle_ttt.py); the blocks avoid its K x T x T scores.
+  """
+  B, T, N, H = q_BTNH.shape
+  G = blocks[0][0].shape[2]
+  q = (q_BTNH.reshape(B, T, G, N // G, H) * H ** -0.5).astype(jnp.float32)
+  scores, values = [], []
+  for k, v, mask in blocks:
+    if mask is None or mask.ndim == 2:  # diagonal block
+      s = jnp.einsum("btgrh,btgh->bgrt", q, k.astype(jnp.float32))[..., None]
+      if mask is not None:
+        s = jnp.where(mask[:, None, None, :, None], s, -1e30)
+      scores.append(s)
+      values.append((v, None))
+    else:
+      s = jnp.einsum("btgrh,bsgh->bgrts", q, k.astype(jnp.float32))
+      s = jnp.where(jnp.broadcast_to(mask, (B, T, k.shape[1]))[:, None, None],
+                    s, -1e30)
+      scores.append(s)
+      values.append((v, k.shape[1]))
+  p = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
+  out, col = 0.0, 0
+  for v, width in values:
+    if width is None:
+      out = out + jnp.einsum("bgrt,btgh->btgrh", p[..., col],
+                             v.astype(jnp.float32))
+      col += 1
+    else:
+      out = out + jnp.einsum("bgrts,bsgh->btgrh", p[..., col:col + width],
+                             v.astype(jnp.float32))
+      col += width
+  return out.reshape(B, T, N, H).astype(q_BTNH.dtype)
