@@ -89,16 +89,18 @@ def measure_costs(model: Model, prompts: Sequence[Sequence[int]],
                              jax.random.key(0), np.int32(1),
                              model_cfg=model.config, dcfg=dcfg,
                              drafter_params=drafter_params)
-  B, K = prompt_BT.shape[0], dcfg.k
+  K, width = dcfg.k, dcfg.block
   fwd = jax.jit(lambda p, t, c: llama.forward(p, model.config, t, c).logits)
   target_1 = median_time(
       lambda: fwd(model.params, state.tokens[:, :1], state.cache), repeats)
   verify = median_time(
-      lambda: fwd(model.params, state.tokens[:, :K + 1], state.cache), repeats)
+      lambda: fwd(model.params, state.tokens[:, :width], state.cache), repeats)
   draft = 0.0
   if K:
-    propose = jax.jit(lambda p, s, t, n, k: dcfg.drafter.propose(
-        p, s, t, n, k, K, dcfg.sampling))
+    d, sp, M = dcfg.drafter, dcfg.sampling, dcfg.tree_nodes
+    propose = jax.jit(
+        (lambda p, s, t, n, k: d.propose_tree(p, s, t, n, k, K, M, sp)) if M
+        else (lambda p, s, t, n, k: d.propose(p, s, t, n, k, K, sp)))
     draft = median_time(lambda: propose(
         drafter_params, state.drafter_state, state.tokens, state.num_tokens,
         jax.random.key(1)), repeats)
@@ -246,7 +248,7 @@ def run(model: Model, methods_: Sequence[methods.MethodSpec | tuple],
         for spec, drafter, dparams in built:
           batch_runs.append(runner.generate_ids(
               model, chunk, seed=sd, drafter=drafter, num_draft=spec.k,
-              drafter_params=dparams, **kw))
+              tree_nodes=spec.tree_nodes, drafter_params=dparams, **kw))
           bar.update()
         if journal:
           _append_journal(journal, key, rep, i, batch_runs)
@@ -268,7 +270,7 @@ def run(model: Model, methods_: Sequence[methods.MethodSpec | tuple],
     runs = tallies[spec]
     dcfg = runner.decode_config(
         model, bucketing.bucket_length(max(map(len, batches[0]))),
-        max_new_tokens, sampling, drafter, spec.k)
+        max_new_tokens, sampling, drafter, spec.k, spec.tree_nodes)
     costs = measure_costs(model, batches[0], dcfg, dparams)
     acc = acceptance_stats(runs[0].rows, spec.k)
     wall = statistics.median(t.wall_s for t in runs)
@@ -288,6 +290,7 @@ def run(model: Model, methods_: Sequence[methods.MethodSpec | tuple],
         top_p=sampling.top_p, num_prompts=len(prompts),
         new_tokens=runs[0].new_tokens, max_new_tokens=max_new_tokens,
         batch_size=batch_size, repeats=repeats, num_draft=spec.k,
+        tree_nodes=spec.tree_nodes,
         wide_verify_fraction=round(wide_fraction, 4),
         **{k: (round(v, 4) if isinstance(v, float) else v)
            for k, v in acc.items()},

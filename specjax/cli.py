@@ -101,6 +101,9 @@ def _add_model_args(p, several: bool = False):
                  + (" (comma-separated for several)" if several else ""))
   p.add_argument("--num-draft", type=int, default=4,
                  help="K, drafts per verify step (speculative methods)")
+  p.add_argument("--tree-nodes", type=int, default=0,
+                 help="draft trees of up to this many nodes, --num-draft "
+                 "deep, verified in one forward (ngram; 0 = chains)")
   p.add_argument("--layers", type=int, default=None,
                  help="layer-skip: target layers the drafter runs "
                  "(default 80%% of them)")
@@ -132,11 +135,13 @@ def _method_specs(args) -> list:
                        f"(choose from {', '.join(METHODS)})")
     if name != "ar" and args.num_draft < 1:
       raise UsageError(f"--num-draft must be >= 1, got {args.num_draft}")
+    if args.tree_nodes < 0:
+      raise UsageError(f"--tree-nodes must be >= 0, got {args.tree_nodes}")
     if not 0.0 <= args.min_confidence < 1.0:
       raise UsageError(f"--min-confidence must be in [0, 1), got "
                        f"{args.min_confidence}")
     specs.append(MethodSpec(name=name, num_draft=args.num_draft,
-                            layers=args.layers,
+                            tree_nodes=args.tree_nodes, layers=args.layers,
                             min_confidence=args.min_confidence,
                             draft_model=args.draft_model, head=args.head))
   return specs
@@ -245,6 +250,7 @@ def cmd_generate(args) -> int:
     res = runner.generate_ids(model, chunk, max_new_tokens=args.max_new_tokens,
                               sampling=sampling, seed=args.seed + start,
                               drafter=drafter, num_draft=spec.k,
+                              tree_nodes=spec.tree_nodes,
                               drafter_params=drafter_params)
     all_rows += res.rows
     wall, new_tokens = wall + res.wall_s, new_tokens + res.new_tokens
@@ -260,7 +266,7 @@ def cmd_generate(args) -> int:
             # The batch shares one wall clock; per row we report the batch's.
             tokens_per_s=round(res.new_tokens / res.wall_s, 3),
             batch_size=len(chunk), method=args.method, model=args.model,
-            num_draft=spec.k,
+            num_draft=spec.k, tree_nodes=spec.tree_nodes,
             target_forwards=row.target_forwards, tau=round(row.tau, 3),
             accepted_at=row.accepted_at,
             accepted_length_histogram=row.accepted_length_histogram,

@@ -31,7 +31,9 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.cache import KVCache
-from specjax.drafters.base import Drafter, Proposal
+from specjax import tree as trees
+from specjax.cache import compact_path
+from specjax.drafters.base import Drafter, Proposal, TreeDrafter
 from specjax.models import llama
 from specjax.models.config import ModelConfig
 from specjax.sampling import SamplingParams, sample_logits, warp
@@ -56,17 +58,31 @@ class DecodeConfig:
     eos_ids: tokens that end a row (the EOS itself is kept in the output).
     drafter: a ``drafters.base.Drafter`` or None for plain AR decoding.
     num_draft: K, drafts per step (ignored without a drafter): the one place
-      K is set; the drafter gets it from the engine.
+      K is set; the drafter gets it from the engine. For trees, the deepest
+      path.
+    tree_nodes: 0 for chains; else a tree step with up to this many drafted
+      nodes per row (the drafter must be a ``TreeDrafter``).
   """
   capacity: int
   sampling: SamplingParams = SamplingParams()
   eos_ids: tuple[int, ...] = ()
   drafter: Optional[Drafter] = None
   num_draft: int = 0
+  tree_nodes: int = 0
+
+  def __post_init__(self):
+    if self.tree_nodes and not isinstance(self.drafter, TreeDrafter):
+      raise ValueError(f"tree_nodes={self.tree_nodes} needs a drafter that "
+                       f"proposes trees, not {type(self.drafter).__name__}")
 
   @property
   def k(self) -> int:
     return self.num_draft if self.drafter is not None else 0
+
+  @property
+  def block(self) -> int:
+    """Tokens a verify forward scores per row: the newest plus the drafts."""
+    return 1 + (self.tree_nodes if self.tree_nodes else self.k)
 
 
 @struct.dataclass
@@ -142,12 +158,17 @@ def _features(out: llama.ForwardOutput):
   return jnp.concatenate(list(out.taps), axis=-1)
 
 
-def _verify_forward(params, model_cfg, block_BT, cache, taps, width: int
-                    ) -> llama.ForwardOutput:
-  """The target forward over the first ``width`` tokens of the block, its
-  logits and taps zero-padded back to the block's width (fixed shapes for
+def _verify_forward(params, model_cfg, block_BT, cache, taps, width: int,
+                    positions_BT=None, mask_BTT=None) -> llama.ForwardOutput:
+  """The target forward over the first ``width`` tokens of the block (at
+  ``positions``, under ``mask``: a tree's; default a chain's), its logits
+  and taps zero-padded back to the block's width (fixed shapes for
   ``lax.cond``; verification never reads past a row's drafts)."""
-  out = llama.forward(params, model_cfg, block_BT[:, :width], cache, taps=taps)
+  if positions_BT is not None:
+    positions_BT, mask_BTT = positions_BT[:, :width], mask_BTT[:, :width,
+                                                               :width]
+  out = llama.forward(params, model_cfg, block_BT[:, :width], cache, taps=taps,
+                      positions_BT=positions_BT, mask_BTT=mask_BTT)
   extra = block_BT.shape[1] - width
   if not extra:
     return out
@@ -279,11 +300,19 @@ def _tally(state: DecodeState, cache: KVCache, live_B: jax.Array,
 def step(params: llama.LlamaParams, state: DecodeState, *,
          model_cfg: ModelConfig, dcfg: DecodeConfig,
          drafter_params: Any = None) -> DecodeState:
-  """Propose -> score (one target forward) -> verify -> emit -> tally.
+  """Propose -> score (one target forward) -> verify -> emit -> tally, for a
+  chain or (``dcfg.tree_nodes``) a tree.
 
   Rows already stopped still ride along in the batch (fixed shapes) but their
   tokens, lengths and statistics do not move.
   """
+  step_fn = _tree_step if dcfg.tree_nodes else _chain_step
+  return step_fn(params, state, model_cfg, dcfg, drafter_params)
+
+
+def _chain_step(params, state: DecodeState, model_cfg: ModelConfig,
+                dcfg: DecodeConfig, drafter_params) -> DecodeState:
+  """Propose a chain -> score -> ``verify_chain`` -> emit -> tally."""
   live_B = ~state.done
   key, k_draft, k_verify = jax.random.split(state.key, 3)
   prop = _propose(drafter_params, state, dcfg, k_draft)
@@ -302,6 +331,54 @@ def step(params: llama.LlamaParams, state: DecodeState, *,
                         drafter_state=drafter_state, key=key)
   state = _tally(state, out.cache, live_B, wide, prop.num_draft,
                  res.num_accepted, dcfg.k)
+  return _update_stops(state, hit_eos_B, dcfg)
+
+
+def _propose_tree(drafter_params, state: DecodeState, dcfg: DecodeConfig,
+                  key: jax.Array):
+  """The drafter's tree, its nodes cut where the row's buffer or cache could
+  not take them (depth past the slots left, or a node slot past the
+  capacity): ``(tree, ancestors, drafter_state)``."""
+  prop = dcfg.drafter.propose_tree(drafter_params, state.drafter_state,
+                                   state.tokens, state.num_tokens, key, dcfg.k,
+                                   dcfg.tree_nodes, dcfg.sampling)
+  tree = prop.tree
+  anc_BMM = trees.ancestors(tree.parents, tree.valid)
+  room_B = dcfg.capacity - state.num_tokens - 1
+  fits_BM = ((trees.depths(anc_BMM) <= room_B[:, None])
+             & (jnp.arange(dcfg.block)[None, :] <= room_B[:, None] + 1))
+  return tree.replace(valid=tree.valid & fits_BM), anc_BMM, prop.state
+
+
+def _tree_step(params, state: DecodeState, model_cfg: ModelConfig,
+               dcfg: DecodeConfig, drafter_params) -> DecodeState:
+  """Propose a tree -> score its nodes in one forward -> ``verify_tree`` ->
+  move the accepted path's cache entries together -> emit -> tally."""
+  live_B = ~state.done
+  key, k_draft, k_verify = jax.random.split(state.key, 3)
+  tree, anc_BMM, drafter_state = _propose_tree(drafter_params, state, dcfg,
+                                               k_draft)
+  base_B = state.cache.lengths
+  verify = functools.partial(
+      _verify_forward, params, model_cfg, tree.tokens, state.cache,
+      _feature_taps(dcfg), positions_BT=base_B[:, None] + trees.depths(
+          anc_BMM), mask_BTT=anc_BMM)
+  wide = jnp.any((tree.num_drafted > 0) & live_B)
+  out = jax.lax.cond(wide, lambda: verify(dcfg.block), lambda: verify(1))
+  res = trees.verify_tree(tree, anc_BMM, warp(out.logits, dcfg.sampling),
+                          k_verify, dcfg.sampling, dcfg.k)
+  tokens, n_B, hit_eos_B = _emit(state, res.tokens, res.num_emitted, live_B,
+                                 dcfg)
+  num_tokens = state.num_tokens + n_B
+  features = _features(out)
+  if features is not None:  # the drafter sees the path as a chain
+    features = jnp.take_along_axis(features, res.path[..., None], axis=1)
+  drafter_state = dcfg.drafter.commit(drafter_params, drafter_state, tokens,
+                                      num_tokens, features)
+  state = state.replace(tokens=tokens, num_tokens=num_tokens,
+                        drafter_state=drafter_state, key=key)
+  state = _tally(state, compact_path(out.cache, base_B, res.path), live_B,
+                 wide, tree.num_drafted, res.num_accepted, dcfg.k)
   return _update_stops(state, hit_eos_B, dcfg)
 
 

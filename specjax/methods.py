@@ -36,6 +36,8 @@ class MethodSpec:
     datastore_conversations: ShareGPT conversations behind "retrieval".
     head: the "eagle" (EAGLE-1) / "eagle3" head file (None = the one
       shipped for the model).
+    tree_nodes: 0 for chains; else draft trees of up to this many nodes,
+      ``num_draft`` deep (drafters with ``propose_tree``: "ngram").
   """
   name: str = "ar"
   num_draft: int = 4
@@ -44,13 +46,17 @@ class MethodSpec:
   draft_model: Optional[str] = None
   datastore_conversations: Optional[int] = None
   head: Optional[str] = None
+  tree_nodes: int = 0
 
   @property
   def k(self) -> int:
     return 0 if self.name == "ar" else self.num_draft
 
   def label(self) -> str:
-    return self.name if self.name == "ar" else f"{self.name}(K={self.k})"
+    if self.name == "ar":
+      return self.name
+    tree = f", tree {self.tree_nodes}" if self.tree_nodes else ""
+    return f"{self.name}(K={self.k}{tree})"
 
 
 def default_layers(model: Model) -> int:
@@ -60,6 +66,18 @@ def default_layers(model: Model) -> int:
 
 def build(model: Model, spec: MethodSpec) -> tuple[Any, Any]:
   """``(drafter, drafter_params)`` for ``spec`` on the target ``model``."""
+  if spec.tree_nodes < 0:
+    raise MethodError(f"--tree-nodes must be >= 0, got {spec.tree_nodes}")
+  built = _build(model, spec)
+  if spec.tree_nodes and spec.name != "ar":
+    from specjax.drafters.base import TreeDrafter
+    if not isinstance(built[0], TreeDrafter):
+      raise MethodError(f"--method {spec.name} drafts chains only; trees "
+                        f"(--tree-nodes) work with: ngram")
+  return built
+
+
+def _build(model: Model, spec: MethodSpec) -> tuple[Any, Any]:
   if spec.name not in METHODS:
     raise MethodError(f"unknown method {spec.name!r} "
                       f"(choose from {', '.join(METHODS)})")

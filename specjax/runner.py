@@ -70,19 +70,20 @@ class BatchResult:
 
 
 def decode_config(model: Model, prompt_bucket: int, max_new_tokens: int,
-                  sampling: SamplingParams, drafter=None,
-                  num_draft: int = 0) -> engine.DecodeConfig:
+                  sampling: SamplingParams, drafter=None, num_draft: int = 0,
+                  tree_nodes: int = 0) -> engine.DecodeConfig:
   k = num_draft if drafter is not None else 0
-  capacity = bucketing.capacity_for(prompt_bucket, max_new_tokens, extra=k + 1)
-  return engine.DecodeConfig(capacity=capacity, sampling=sampling,
+  dcfg = engine.DecodeConfig(capacity=0, sampling=sampling,
                              eos_ids=model.config.eos_ids, drafter=drafter,
-                             num_draft=k)
+                             num_draft=k, tree_nodes=tree_nodes if k else 0)
+  return dataclasses.replace(dcfg, capacity=bucketing.capacity_for(
+      prompt_bucket, max_new_tokens, extra=dcfg.block))
 
 
 def generate_ids(model: Model, prompts: Sequence[Sequence[int]], *,
                  max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
                  seed: int = 0, drafter=None, num_draft: int = 0,
-                 drafter_params=None) -> BatchResult:
+                 tree_nodes: int = 0, drafter_params=None) -> BatchResult:
   """Generates for a batch of token-id prompts in one compiled call.
 
   Each (batch, prompt bucket, capacity, config) shape is compiled once per
@@ -97,7 +98,7 @@ def generate_ids(model: Model, prompts: Sequence[Sequence[int]], *,
   pad_id = getattr(model.tokenizer, "pad_id", None) or 0
   prompt_BT, lengths_B = bucketing.pad_prompts(prompts, pad_id)
   dcfg = decode_config(model, prompt_BT.shape[1], max_new_tokens, sampling,
-                       drafter, num_draft)
+                       drafter, num_draft, tree_nodes)
   args = (model.params, prompt_BT, lengths_B, jax.random.key(seed),
           np.int32(max_new_tokens))
   start = time.perf_counter()

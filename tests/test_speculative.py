@@ -16,6 +16,14 @@ PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 1, 9, 1, 9],
            [3, 4, 3, 4, 3, 4, 3, 4, 3, 4, 3, 4, 3], [20]]
 
 
+# N-gram drafting as a chain and as a trie of its 3 best matches (depth 4,
+# up to 8 nodes): every engine invariant below holds for both step kinds.
+NGRAM = {"chain": dict(drafter=NGramDrafter(), num_draft=4),
+         "tree": dict(drafter=NGramDrafter(num_paths=3), num_draft=4,
+                      tree_nodes=8)}
+both = pytest.mark.parametrize("how", sorted(NGRAM))
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
   d = tmp_path_factory.mktemp("spec_tiny")
@@ -44,19 +52,21 @@ def _run(params, cfg, dcfg, max_new=24, seed=0):
   return outs, state
 
 
-def test_greedy_ngram_equals_ar_and_cache_rolls_back(tiny):
+@both
+def test_greedy_ngram_equals_ar_and_cache_rolls_back(tiny, how):
   """Invariants at T = 0 on a ragged batch: (1) n-gram speculative output
   equals AR output token for token; (2) drafts were really accepted and
   rejected along the way (the test is not vacuous); (3) after the run, each
   row's cache below its length equals that of the AR run that never drafted
   (rejected entries were rolled back and overwritten); (4) both verify
   widths ran: K + 1 tokens, and the newest token alone on steps where no row
-  had an n-gram match."""
+  had an n-gram match. For trees, (3) also shows the accepted path's
+  entries were moved to contiguous slots."""
   cfg, params = tiny
   capacity = 64
   ar, ar_state = _run(params, cfg, engine.DecodeConfig(capacity=capacity))
-  spec, st = _run(params, cfg, engine.DecodeConfig(
-      capacity=capacity, drafter=NGramDrafter(), num_draft=4))
+  spec, st = _run(params, cfg, engine.DecodeConfig(capacity=capacity,
+                                                   **NGRAM[how]))
   assert spec == ar
   accepted = np.asarray(st.accepted_at).sum(1)
   assert accepted.sum() > 0 and (accepted < np.asarray(st.num_drafted)).any()
@@ -71,7 +81,8 @@ def test_greedy_ngram_equals_ar_and_cache_rolls_back(tiny):
                                  ar_state.cache.k[layer][b, :, :, :n], atol=1e-5)
 
 
-def test_capacity_stops_speculation_where_ar_stops(tiny):
+@both
+def test_capacity_stops_speculation_where_ar_stops(tiny, how):
   """Invariant: with a hand-picked capacity (not ``capacity_for``) and a
   budget past it, greedy n-gram decoding fills every row's buffer exactly as
   AR does: same tokens, every slot used, stop reason capacity. (Stopping a
@@ -81,7 +92,7 @@ def test_capacity_stops_speculation_where_ar_stops(tiny):
   ar, _ = _run(params, cfg, engine.DecodeConfig(capacity=capacity),
                max_new=100)
   spec, st = _run(params, cfg, engine.DecodeConfig(
-      capacity=capacity, drafter=NGramDrafter(), num_draft=4), max_new=100)
+      capacity=capacity, **NGRAM[how]), max_new=100)
   assert spec == ar
   for prompt, row, reason in zip(PROMPTS, spec, st.stop_reason):
     assert len(prompt) + len(row) == capacity
@@ -89,7 +100,8 @@ def test_capacity_stops_speculation_where_ar_stops(tiny):
   assert np.asarray(st.accepted_at).sum() > 0  # drafts were really used
 
 
-def test_steps_without_drafts_verify_one_token(tiny):
+@both
+def test_steps_without_drafts_verify_one_token(tiny, how):
   """Invariant: a single row verifies K + 1 tokens on steps where it drafted
   and the newest token alone where the n-gram lookup found nothing, and the
   output still equals AR's (both branches of the verify ``lax.cond`` ran)."""
@@ -97,8 +109,7 @@ def test_steps_without_drafts_verify_one_token(tiny):
   prompt_BT, lengths = bucketing.pad_prompts([PROMPTS[0]])
   outs = []
   for dcfg in (engine.DecodeConfig(capacity=64),
-               engine.DecodeConfig(capacity=64, drafter=NGramDrafter(),
-                                   num_draft=4)):
+               engine.DecodeConfig(capacity=64, **NGRAM[how])):
     st = engine.generate_jit(params, prompt_BT, lengths, jax.random.key(0),
                              np.int32(32), model_cfg=cfg, dcfg=dcfg)
     outs.append(st.tokens[0, lengths[0]:st.num_tokens[0]].tolist())
@@ -106,7 +117,8 @@ def test_steps_without_drafts_verify_one_token(tiny):
   assert 0 < int(st.num_wide) < int(st.num_steps), (st.num_wide, st.num_steps)
 
 
-def test_eos_and_budget_inside_an_emitted_block(tiny):
+@both
+def test_eos_and_budget_inside_an_emitted_block(tiny, how):
   """Invariant: tokens after an EOS inside an accepted block are dropped, and
   a block that would overshoot the budget is cut at it, exactly as in AR."""
   cfg, params = tiny
@@ -116,18 +128,18 @@ def test_eos_and_budget_inside_an_emitted_block(tiny):
     ar, _ = _run(params, cfg, engine.DecodeConfig(capacity=64, eos_ids=(eos,)),
                  max_new=max_new)
     spec, st = _run(params, cfg, engine.DecodeConfig(
-        capacity=64, eos_ids=(eos,), drafter=NGramDrafter(), num_draft=5),
-                    max_new=max_new)
+        capacity=64, eos_ids=(eos,), **NGRAM[how]), max_new=max_new)
     assert spec == ar
     assert all(len(o) <= max_new for o in spec)
 
 
-def test_sampled_speculative_runs_are_reproducible(tiny):
+@both
+def test_sampled_speculative_runs_are_reproducible(tiny, how):
   """Invariant: at T > 0 the same key gives the same speculative output, and
   every row respects its budget and stays within the vocabulary."""
   cfg, params = tiny
   dcfg = engine.DecodeConfig(capacity=64, sampling=SamplingParams(0.9, 0, 0.95),
-                             drafter=NGramDrafter(), num_draft=3)
+                             **NGRAM[how])
   a, _ = _run(params, cfg, dcfg, seed=3)
   b, _ = _run(params, cfg, dcfg, seed=3)
   assert a == b

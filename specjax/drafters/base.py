@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Optional, Protocol
+from typing import Any, ClassVar, Optional, Protocol, runtime_checkable
 
 import jax
 from flax import struct
@@ -22,6 +22,15 @@ class Proposal:
   tokens: jax.Array
   probs: Optional[jax.Array]
   num_draft: jax.Array
+  state: Any = None
+
+
+@struct.dataclass
+class TreeProposal:
+  """A draft tree for one step (``specjax.tree.Tree``, ``M = num_nodes + 1``
+  nodes, depth at most K) fixed before the target scores it, and the
+  drafter's state after proposing."""
+  tree: Any
   state: Any = None
 
 
@@ -51,6 +60,16 @@ class Drafter(Protocol):
   def commit(self, params, state, tokens_BS, num_tokens_B, features=None
              ) -> Any:
     """The state after verification committed ``num_tokens_B``."""
+
+
+@runtime_checkable
+class TreeDrafter(Drafter, Protocol):
+  """A drafter that can also propose trees (``DecodeConfig.tree_nodes``)."""
+
+  def propose_tree(self, params, state, tokens_BS, num_tokens_B, key,
+                   num_draft: int, num_nodes: int, sampling) -> TreeProposal:
+    """A tree of up to ``num_nodes`` drafted nodes, none deeper than
+    ``num_draft``, whose shape and tokens do not depend on the target."""
 
 
 class Stateless:

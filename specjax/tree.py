@@ -1,0 +1,217 @@
+"""Draft trees in fixed shapes, and their exact verification.
+
+A tree holds M nodes per row (static): node 0 is the root, the row's newest
+committed token (fed to the target like the first token of a chain block);
+every other node is a drafted token whose parent comes before it
+(``parents[b, m] < m``). ``valid`` marks the nodes a row really drafted; an
+invalid node sees only itself in the target forward and is never accepted. A
+chain of K drafts is the tree with parents ``m - 1``.
+
+The target scores all M nodes in one forward: node m sits at position
+``length + depth[m]`` and attends to the row's cache plus its ancestors
+(``ancestors``), so its logits are the target's distribution after the path
+root -> m, exactly as if that path had been fed alone.
+
+Verification (``verify_tree``) is for trees fixed before the target is
+consulted (tries, static shapes, deterministic top-k): draw one target token
+``y[m]`` per node (the argmax at temperature 0, else an independent sample of
+the warped distribution), accept node m iff its token equals its parent's
+draw and all its ancestors are accepted, and emit the deepest accepted path
+followed by that node's draw. Why the output follows the target exactly:
+every ``y[m]`` is a draw from the target given that node's path, made before
+(and independently of) anything the walk decides; the walk emits ``y[root]``,
+and whenever that token is a child of the current node it moves there and
+emits the child's draw, else it stops. So each emitted token is a fresh draw
+from the target given everything emitted before it, and stopping depends only
+on tokens already emitted: ancestral sampling with a stopping rule. This
+needs sibling tokens to be distinct (a duplicate would make the walk's move
+depend on which copy it takes; ``verify_tree`` ignores later duplicates) and
+the tree to be fixed before any draw. At temperature 0 it is the longest
+path of greedy tokens: the output equals greedy decoding token for token.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from specjax.sampling import SamplingParams, draw
+
+
+@struct.dataclass
+class Tree:
+  """Attributes:
+    tokens: ``int32[B, M]``, node 0 the root.
+    parents: ``int32[B, M]``, ``parents[:, 0] == 0``, else below the node.
+    valid: ``bool[B, M]``, node 0 always valid; a valid node's parent valid.
+  """
+  tokens: jax.Array
+  parents: jax.Array
+  valid: jax.Array
+
+  @property
+  def num_drafted(self) -> jax.Array:
+    """``int32[B]`` valid nodes besides the root."""
+    return jnp.sum(self.valid[:, 1:], axis=1).astype(jnp.int32)
+
+
+def ancestors(parents_BM: jax.Array, valid_BM: jax.Array) -> jax.Array:
+  """``bool[B, M, M]``: ``[b, m, j]`` iff node j is m or an ancestor of m.
+  An invalid node is its own only ancestor. Built in node order, which is
+  parents-first, so one pass suffices."""
+  B, M = parents_BM.shape
+  anc_BMM = jnp.broadcast_to(jnp.eye(M, dtype=bool), (B, M, M))
+  rows = jnp.arange(B)
+  for m in range(1, M):
+    inherited = anc_BMM[rows, parents_BM[:, m]] & valid_BM[:, m, None]
+    anc_BMM = anc_BMM.at[:, m].set(anc_BMM[:, m] | inherited)
+  return anc_BMM
+
+
+def depths(anc_BMM: jax.Array) -> jax.Array:
+  """``int32[B, M]``: ancestors other than the node itself."""
+  return (jnp.sum(anc_BMM, axis=-1) - 1).astype(jnp.int32)
+
+
+def chain(root_B: jax.Array, drafts_BK: jax.Array,
+          num_draft_B: jax.Array) -> Tree:
+  """The tree of a chain: root, then drafts i < ``num_draft`` in a line."""
+  B, K = drafts_BK.shape
+  tokens = jnp.concatenate([root_B[:, None], drafts_BK], axis=1)
+  parents = jnp.broadcast_to(jnp.maximum(jnp.arange(K + 1) - 1, 0), (B, K + 1))
+  valid = jnp.arange(K + 1)[None, :] <= num_draft_B[:, None]
+  return Tree(tokens=tokens.astype(jnp.int32), parents=parents.astype(
+      jnp.int32), valid=valid)
+
+
+def static_parents(branching: tuple[int, ...]) -> np.ndarray:
+  """Parents of a full tree, breadth first: ``branching[d]`` children under
+  every node at depth d (``(2, 2)`` -> 1 + 2 + 4 = 7 nodes)."""
+  parents, level = [0], [0]
+  for width in branching:
+    nxt = []
+    for p in level:
+      for _ in range(width):
+        nxt.append(len(parents))
+        parents.append(p)
+    level = nxt
+  return np.asarray(parents, np.int32)
+
+
+def trie(root_B: jax.Array, paths_BPK: jax.Array, lengths_BP: jax.Array,
+         num_nodes: int) -> Tree:
+  """The trie of P token paths under the root, each path's first
+  ``lengths[b, p]`` tokens: a prefix shared by several paths is one node, so
+  siblings are distinct. Nodes are numbered breadth first (by depth, then
+  by the first path through them, so earlier paths come first) and the
+  first ``num_nodes`` are kept: ``M = num_nodes + 1`` nodes, root included.
+  Keeping a breadth-first prefix keeps every kept node's parent."""
+  B, P, K = paths_BPK.shape
+  live_BPK = jnp.arange(K)[None, None, :] < lengths_BP[..., None]
+  # same[b, p, q, i]: paths p and q agree on tokens 0..i and both reach i.
+  same_BPPK = jnp.cumprod(
+      paths_BPK[:, :, None] == paths_BPK[:, None, :], axis=-1).astype(bool)
+  same_BPPK &= live_BPK[:, :, None] & live_BPK[:, None, :]
+  first_BPK = jnp.argmax(same_BPPK, axis=2)  # first path through the node
+  own_BPK = live_BPK & (first_BPK == jnp.arange(P)[None, :, None])
+  # Depth-major candidate order: candidate (i, p) -> i * P + p.
+  flat = lambda a_BPK: a_BPK.transpose(0, 2, 1).reshape(B, K * P)
+  valid_BC = flat(own_BPK)
+  parent_BPK = jnp.concatenate(
+      [jnp.full((B, P, 1), -1),
+       (jnp.arange(K - 1)[None, None, :] * P + first_BPK[:, :, :-1])], axis=2)
+  parent_BC = flat(parent_BPK)  # -1: the root
+  # Keep the first num_nodes valid candidates, renumbered 1..num_nodes.
+  rank_BC = jnp.cumsum(valid_BC, axis=1) - 1
+  keep_BC = valid_BC & (rank_BC < num_nodes)
+  order_BC = jnp.argsort(~keep_BC, axis=1, stable=True)[:, :num_nodes]
+  pick = lambda a_BC: jnp.take_along_axis(a_BC, order_BC, axis=1)
+  parent_old_BM = pick(parent_BC)
+  parent_BM = jnp.where(parent_old_BM < 0, 0, 1 + jnp.take_along_axis(
+      rank_BC, jnp.maximum(parent_old_BM, 0), axis=1))
+  valid_BM = pick(keep_BC)
+  return Tree(
+      tokens=jnp.concatenate([root_B[:, None], jnp.where(
+          valid_BM, pick(flat(paths_BPK)), 0)], axis=1).astype(jnp.int32),
+      parents=jnp.concatenate([jnp.zeros((B, 1), jnp.int32),
+                               jnp.where(valid_BM, parent_BM, 0)],
+                              axis=1).astype(jnp.int32),
+      valid=jnp.concatenate([jnp.ones((B, 1), bool), valid_BM], axis=1))
+
+
+def distinct_siblings(tree: Tree) -> jax.Array:
+  """``bool[B, M]`` valid nodes that no earlier valid sibling duplicates
+  (the root, its own parent by convention, is nobody's sibling)."""
+  M = tree.tokens.shape[1]
+  m = jnp.arange(M)
+  earlier_MM = (m[None, :] < m[:, None]) & (m[None, :] > 0)
+  same_BMM = ((tree.parents[:, :, None] == tree.parents[:, None, :])
+              & (tree.tokens[:, :, None] == tree.tokens[:, None, :])
+              & tree.valid[:, None, :]
+              & earlier_MM[None])
+  return tree.valid & ~jnp.any(same_BMM, axis=-1)
+
+
+def matches(tree: Tree, draws_BM: jax.Array) -> jax.Array:
+  """``bool[B, M]``: node m's token is its parent's target draw (and m is a
+  valid node no earlier sibling duplicates)."""
+  return distinct_siblings(tree) & (
+      tree.tokens == jnp.take_along_axis(draws_BM, tree.parents, axis=1))
+
+
+@struct.dataclass
+class TreeResult:
+  """Output of ``verify_tree``.
+
+  Attributes:
+    tokens: ``int32[B, max_depth + 1]``: the accepted path's tokens (root
+      excluded), then the last accepted node's draw; zero past
+      ``num_emitted``.
+    num_emitted: ``int32[B]`` = accepted + 1.
+    num_accepted: ``int32[B]`` depth of the last accepted node.
+    path: ``int32[B, max_depth + 1]`` node at each depth of the accepted path
+      (``path[:, 0] == 0``; entries past the depth repeat the last node).
+  """
+  tokens: jax.Array
+  num_emitted: jax.Array
+  num_accepted: jax.Array
+  path: jax.Array
+
+
+def verify_tree(tree: Tree, anc_BMM: jax.Array, target_probs_BMV: jax.Array,
+                key: jax.Array, sampling: SamplingParams,
+                max_depth: int) -> TreeResult:
+  """Exact verification of a tree fixed before the target scored it (module
+  doc): one target draw per node, the deepest path of matching draws.
+
+  Args:
+    tree: the drafted tree (``ancestors(tree.parents, tree.valid)`` is
+      ``anc_BMM``).
+    target_probs_BMV: the warped target distribution after each node.
+    sampling: greedy (argmax draws) or not (samples, independent per node).
+    max_depth: static bound on any valid node's depth.
+  """
+  B, M = tree.tokens.shape
+  rows = jnp.arange(B)
+  draws_BM = draw(target_probs_BMV.astype(jnp.float32), sampling, key)
+  matched_BM = matches(tree, draws_BM).at[:, 0].set(True)
+  accepted_BM = ~jnp.any(anc_BMM & ~matched_BM[:, None, :], axis=-1)
+  depth_BM = depths(anc_BMM)
+  last_B = jnp.argmax(jnp.where(accepted_BM, depth_BM, -1), axis=1)
+  num_acc_B = depth_BM[rows, last_B]
+  on_path_BM = anc_BMM[rows, last_B]
+  at_depth_BDM = on_path_BM[:, None, :] & (
+      depth_BM[:, None, :] == jnp.arange(max_depth + 1)[None, :, None])
+  path_BD = jnp.where(jnp.any(at_depth_BDM, axis=-1),
+                      jnp.argmax(at_depth_BDM, axis=-1), last_B[:, None])
+  idx_BD = jnp.arange(max_depth + 1)[None, :]
+  next_BD = jnp.take_along_axis(
+      tree.tokens, jnp.concatenate([path_BD[:, 1:], path_BD[:, -1:]], 1), 1)
+  tokens_BD = jnp.where(idx_BD < num_acc_B[:, None], next_BD, 0)
+  tokens_BD = jnp.where(idx_BD == num_acc_B[:, None],
+                        draws_BM[rows, last_B][:, None], tokens_BD)
+  return TreeResult(tokens=tokens_BD.astype(jnp.int32),
+                    num_emitted=num_acc_B + 1, num_accepted=num_acc_B,
+                    path=path_BD.astype(jnp.int32))
