@@ -103,7 +103,11 @@ def _add_model_args(p, several: bool = False):
                  help="K, drafts per verify step (speculative methods)")
   p.add_argument("--tree-nodes", type=int, default=0,
                  help="draft trees of up to this many nodes, --num-draft "
-                 "deep, verified in one forward (ngram; 0 = chains)")
+                 "deep, verified in one forward (ngram, eagle, eagle3; "
+                 "0 = chains)")
+  p.add_argument("--tree-width", type=int, default=4,
+                 help="trees: n-gram matches merged, or EAGLE's top-k per "
+                 "node")
   p.add_argument("--layers", type=int, default=None,
                  help="layer-skip: target layers the drafter runs "
                  "(default 80%% of them)")
@@ -137,11 +141,14 @@ def _method_specs(args) -> list:
       raise UsageError(f"--num-draft must be >= 1, got {args.num_draft}")
     if args.tree_nodes < 0:
       raise UsageError(f"--tree-nodes must be >= 0, got {args.tree_nodes}")
+    if args.tree_width < 1:
+      raise UsageError(f"--tree-width must be >= 1, got {args.tree_width}")
     if not 0.0 <= args.min_confidence < 1.0:
       raise UsageError(f"--min-confidence must be in [0, 1), got "
                        f"{args.min_confidence}")
     specs.append(MethodSpec(name=name, num_draft=args.num_draft,
-                            tree_nodes=args.tree_nodes, layers=args.layers,
+                            tree_nodes=args.tree_nodes,
+                            tree_width=args.tree_width, layers=args.layers,
                             min_confidence=args.min_confidence,
                             draft_model=args.draft_model, head=args.head))
   return specs

@@ -30,9 +30,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax.cache import KVCache
 from specjax import tree as trees
-from specjax.cache import compact_path
+from specjax.cache import KVCache, compact_path
 from specjax.drafters.base import Drafter, Proposal, TreeDrafter
 from specjax.models import llama
 from specjax.models.config import ModelConfig

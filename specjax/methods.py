@@ -37,7 +37,10 @@ class MethodSpec:
     head: the "eagle" (EAGLE-1) / "eagle3" head file (None = the one
       shipped for the model).
     tree_nodes: 0 for chains; else draft trees of up to this many nodes,
-      ``num_draft`` deep (drafters with ``propose_tree``: "ngram").
+      ``num_draft`` deep (drafters with ``propose_tree``: "ngram", "eagle",
+      "eagle3").
+    tree_width: a tree's branching: n-gram matches merged into the trie,
+      or EAGLE's top-k per expanded node and nodes expanded per level.
   """
   name: str = "ar"
   num_draft: int = 4
@@ -47,6 +50,7 @@ class MethodSpec:
   datastore_conversations: Optional[int] = None
   head: Optional[str] = None
   tree_nodes: int = 0
+  tree_width: int = 4
 
   @property
   def k(self) -> int:
@@ -68,12 +72,14 @@ def build(model: Model, spec: MethodSpec) -> tuple[Any, Any]:
   """``(drafter, drafter_params)`` for ``spec`` on the target ``model``."""
   if spec.tree_nodes < 0:
     raise MethodError(f"--tree-nodes must be >= 0, got {spec.tree_nodes}")
+  if spec.tree_width < 1:
+    raise MethodError(f"--tree-width must be >= 1, got {spec.tree_width}")
   built = _build(model, spec)
   if spec.tree_nodes and spec.name != "ar":
     from specjax.drafters.base import TreeDrafter
     if not isinstance(built[0], TreeDrafter):
       raise MethodError(f"--method {spec.name} drafts chains only; trees "
-                        f"(--tree-nodes) work with: ngram")
+                        f"(--tree-nodes) work with: ngram, eagle, eagle3")
   return built
 
 
@@ -87,7 +93,7 @@ def _build(model: Model, spec: MethodSpec) -> tuple[Any, Any]:
     raise MethodError(f"--num-draft must be >= 1, got {spec.num_draft}")
   if spec.name == "ngram":
     from specjax.drafters import NGramDrafter
-    return NGramDrafter(), None
+    return NGramDrafter(num_paths=spec.tree_width), None
   if spec.name == "layerskip":
     from specjax.drafters import LayerSkipDrafter
     layers = spec.layers if spec.layers is not None else default_layers(model)
@@ -163,4 +169,7 @@ def _eagle(model: "Model", spec: MethodSpec):
                       f"--method {'eagle' if cfg.variant == 'eagle1' else 'eagle3'}")
   params = EagleParams(head=head, draft_ids=draft_ids,
                         embed=jnp.asarray(model.params.embed))
-  return EagleDrafter(cfg, spec.min_confidence), params
+  if spec.tree_width > cfg.draft_vocab:
+    raise MethodError(f"--tree-width {spec.tree_width} exceeds the head's "
+                      f"draft vocabulary ({cfg.draft_vocab})")
+  return EagleDrafter(cfg, spec.min_confidence, spec.tree_width), params

@@ -141,6 +141,36 @@ def trie(root_B: jax.Array, paths_BPK: jax.Array, lengths_BP: jax.Array,
       valid=jnp.concatenate([jnp.ones((B, 1), bool), valid_BM], axis=1))
 
 
+def select(root_B: jax.Array, tokens_BC: jax.Array, scores_BC: jax.Array,
+           parents_BC: jax.Array, num_nodes: int) -> Tree:
+  """The tree of the ``num_nodes`` best-scoring candidates (EAGLE-2's
+  rerank). Candidates come parents first (``parents_BC`` < own index, -1 for
+  the root's children) and score no higher than their parent (cumulative
+  log-probabilities). ``lax.top_k`` puts the lower index first among equal
+  scores, so a child never displaces its tied parent: the selection is
+  closed under ancestors. Kept nodes stay in candidate order; ``M =
+  num_nodes + 1`` nodes, padded with invalid ones if there are fewer
+  candidates; a candidate scoring -inf is invalid."""
+  B, C = tokens_BC.shape
+  N = min(num_nodes, C)
+  rows = jnp.arange(B)[:, None]
+  pick_BN = jnp.sort(jax.lax.top_k(scores_BC, N)[1], axis=1)
+  new_BC = jnp.full((B, C), -1, jnp.int32).at[rows, pick_BN].set(
+      jnp.arange(N, dtype=jnp.int32)[None, :])
+  parent_old_BN = jnp.take_along_axis(parents_BC, pick_BN, axis=1)
+  parent_BN = jnp.where(parent_old_BN < 0, 0, 1 + jnp.take_along_axis(
+      new_BC, jnp.maximum(parent_old_BN, 0), axis=1))
+  valid_BN = jnp.isfinite(jnp.take_along_axis(scores_BC, pick_BN, axis=1))
+  pad = lambda a, fill: jnp.pad(a, ((0, 0), (1, num_nodes - N)),
+                                constant_values=fill)
+  tokens = pad(jnp.where(valid_BN, jnp.take_along_axis(tokens_BC, pick_BN, 1),
+                         0), 0).at[:, 0].set(root_B)
+  return Tree(tokens=tokens.astype(jnp.int32),
+              parents=pad(jnp.where(valid_BN, parent_BN, 0), 0).astype(
+                  jnp.int32),
+              valid=pad(valid_BN, False).at[:, 0].set(True))
+
+
 def distinct_siblings(tree: Tree) -> jax.Array:
   """``bool[B, M]`` valid nodes that no earlier valid sibling duplicates
   (the root, its own parent by convention, is nobody's sibling)."""

@@ -161,7 +161,10 @@ def test_eagle_chain_drafting_greedy_identity(tmp_path, variant):
   target's own greedy text halves the loss's gap above its floor (the target
   entropy) and raises the step-0 and step-1 accuracy by > 0.2; (4) the
   over-fitted head then gets most drafts accepted (training and drafting
-  pair features, tokens and positions the same way)."""
+  pair features, tokens and positions the same way). (1) and (4) hold for
+  EAGLE-2 dynamic trees too (width 3 cut to 7 nodes; width 2, all 10
+  candidates): the tree's head blocks, ancestor masks and the features
+  gathered along the accepted path."""
   from specjax import bucketing, engine
   from specjax.drafters.eagle import EagleDrafter, EagleParams
   from specjax.training.train import init_head
@@ -195,6 +198,11 @@ def test_eagle_chain_drafting_greedy_identity(tmp_path, variant):
   num = np.asarray(st.num_tokens)
   stable = np.asarray(st.drafter_state.lengths)
   assert ((stable <= num - 1) & (stable >= num - 2 - k)).all()
+  # EAGLE-2 dynamic trees: 7 of 21 candidates kept, or all 10 (padded).
+  tree_cfg = lambda width, nodes: engine.DecodeConfig(
+      capacity=64, drafter=EagleDrafter(hcfg, tree_width=width), num_draft=k,
+      tree_nodes=nodes)
+  assert run(tree_cfg(3, 7), dparams)[0] == ar
 
   # Overfit the head on the target's own greedy continuations: if training
   # and drafting paired features, tokens and positions differently, drafts
@@ -240,6 +248,10 @@ def test_eagle_chain_drafting_greedy_identity(tmp_path, variant):
                                         num_draft=k),
                     dparams.replace(head=head))
   assert trained == ar
+  acc = np.asarray(st.accepted_at).sum(0) / np.asarray(st.num_forwards).sum()
+  assert acc[0] > 0.8 and acc[k - 1] > 0.5, acc
+  tree, st = run(tree_cfg(2, 12), dparams.replace(head=head))
+  assert tree == ar
   acc = np.asarray(st.accepted_at).sum(0) / np.asarray(st.num_forwards).sum()
   assert acc[0] > 0.8 and acc[k - 1] > 0.5, acc
 

@@ -63,7 +63,7 @@ def _drafter(smollm2, method, tmp_path_factory):
   from specjax.drafters import (LayerSkipDrafter, NGramDrafter,
                                 RetrievalDrafter, sharegpt_datastore)
   cfg = smollm2.config
-  if method == "ngram":
+  if method in ("ngram", "ngram_tree"):
     return NGramDrafter(), None, 4
   if method == "layerskip_dynamic_k":
     return (LayerSkipDrafter.from_target(cfg, 24, min_confidence=0.6),
@@ -87,7 +87,7 @@ def _drafter(smollm2, method, tmp_path_factory):
     return (EagleDrafter(hcfg),
             EagleParams(head=head, draft_ids=jnp.asarray(vocab.ids),
                          embed=smollm2.params.embed), 3)
-  if method == "eagle3_shipped_dynamic_k":
+  if method in ("eagle3_shipped_dynamic_k", "eagle3_shipped_tree"):
     from specjax import methods
     drafter, dparams = methods.build(smollm2, methods.MethodSpec(
         "eagle3", num_draft=4, min_confidence=0.3))
@@ -101,9 +101,11 @@ def ar_rows(smollm2):
   return prompts, runner.generate_ids(smollm2, prompts, max_new_tokens=40)
 
 
-@pytest.mark.parametrize("method", ["ngram", "layerskip_dynamic_k",
+@pytest.mark.parametrize("method", ["ngram", "ngram_tree",
+                                    "layerskip_dynamic_k",
                                     "retrieval", "eagle3_untrained",
-                                    "eagle3_shipped_dynamic_k"])
+                                    "eagle3_shipped_dynamic_k",
+                                    "eagle3_shipped_tree"])
 def test_speculative_greedy_identity(smollm2, ar_rows, method,
                                      tmp_path_factory):
   """Invariant: at T = 0, speculative decoding of a ragged batch of 4 chat
@@ -111,13 +113,15 @@ def test_speculative_greedy_identity(smollm2, ar_rows, method,
   with drafts really accepted (fewer target forwards than tokens); an
   untrained EAGLE-3 head (random layer, warm-started LM head) must still be
   exact; the shipped head with dynamic K drafts on some steps and scores the
-  newest token alone on others. (Layer-skip runs through the draft-model
-  code path with dynamic K; the target as its own draft model is checked on
-  the tiny model.)"""
+  newest token alone on others; n-gram tries and EAGLE-2 trees of 8 nodes
+  run the tree step.
+  (Layer-skip runs through the draft-model code path with dynamic K; the
+  target as its own draft model is checked on the tiny model.)"""
   prompts, ar = ar_rows
   drafter, dparams, k = _drafter(smollm2, method, tmp_path_factory)
   spec = runner.generate_ids(smollm2, prompts, max_new_tokens=40,
                              drafter=drafter, num_draft=k,
+                             tree_nodes=8 if method.endswith("_tree") else 0,
                              drafter_params=dparams)
   for a, s in zip(ar.rows, spec.rows):
     assert s.output_ids == a.output_ids

@@ -135,3 +135,37 @@ def test_verification_check_catches_mutations(mutation, monkeypatch):
   joint = TRANSITIONS[0][:, None] * TRANSITIONS
   stat, crit = _chi2_ok(_joint_first_two()[0], joint)
   assert stat > crit, (stat, crit)
+
+
+def test_select_keeps_the_best_nodes_closed_under_ancestors():
+  """Invariants of EAGLE-2's rerank for random candidate tables with tied
+  scores (children scoring exactly their parent's): the kept nodes are the
+  ``num_nodes`` best scores, every kept node's parent is kept and comes
+  first, and tokens follow their candidates."""
+  rng = np.random.default_rng(2)
+  B, W, levels, n = 64, 3, 3, 7
+  parents, scores = [-np.ones((B, W), int)], [np.log(rng.random((B, W)))]
+  for level in range(1, levels):
+    first = sum(p.shape[1] for p in parents[:-1])
+    par = rng.integers(0, parents[-1].shape[1], (B, W * W)) + first
+    drop = np.where(rng.random((B, W * W)) < 0.3, 0.0,
+                    np.log(rng.random((B, W * W))))
+    allsc = np.concatenate(scores, 1)
+    scores.append(np.take_along_axis(allsc, par, 1) + drop)
+    parents.append(par)
+  parents, scores = np.concatenate(parents, 1), np.concatenate(scores, 1)
+  C = scores.shape[1]
+  tokens = np.tile(np.arange(C), (B, 1)) + 100
+  t = trees.select(jnp.zeros(B, jnp.int32), jnp.asarray(tokens),
+                   jnp.asarray(scores, jnp.float32), jnp.asarray(parents), n)
+  tok, par, valid = map(np.asarray, (t.tokens, t.parents, t.valid))
+  assert valid.all() and tok.shape == (B, n + 1)
+  for b in range(B):
+    kept = tok[b, 1:] - 100
+    np.testing.assert_allclose(np.sort(scores[b, kept]),
+                               np.sort(scores[b])[-n:], rtol=1e-6)
+    for m in range(1, n + 1):
+      p = par[b, m]
+      assert p < m
+      want = parents[b, kept[m - 1]]
+      assert (p == 0) if want < 0 else (tok[b, p] - 100 == want)

@@ -13,6 +13,16 @@ and drafts K tokens, feeding its own outputs back as features (the scratch
 entries it writes past the stable length are overwritten next time). Draft
 probabilities are the head's warped distribution over Vd scattered into the
 full vocabulary (zero elsewhere), so verification stays exact.
+
+``propose_tree`` drafts an EAGLE-2 dynamic tree instead (``_expand``): the
+``tree_width`` W best tokens under the root, then, level by level, the W best
+children of each of the level's W best nodes by cumulative log-probability
+(one head block of W pairs per level, under an ancestor mask over the
+scratch entries), and finally the ``num_nodes`` best of all candidates
+(``tree.select``). The tree is the head's top-k, drawn from nothing, so it
+is fixed before the target scores it and ``tree.verify_tree`` is exact at
+every temperature. ``commit`` then receives the target features gathered
+along the accepted path, so the head's state is as after a chain.
 """
 
 from __future__ import annotations
@@ -25,7 +35,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.cache import KVCache, write_kv
-from specjax.drafters.base import Proposal
+from specjax import tree as trees
+from specjax.drafters.base import Proposal, TreeProposal
 from specjax.drafters.chain import draft_chain
 from specjax.heads.eagle import HeadConfig, head_module
 from specjax.models import llama
@@ -78,6 +89,7 @@ class EagleDrafter:
   """
   cfg: HeadConfig
   min_confidence: float = 0.0
+  tree_width: int = 4
 
   @property
   def feature_taps(self) -> tuple[int, ...]:
@@ -87,19 +99,23 @@ class EagleDrafter:
     return head_module(self.cfg).apply({"params": params.head}, *args,
                                        method=method)
 
-  def _run(self, params, state: EagleState, tok_BT, h_BTD):
-    """Head layer over T new pairs written at each row's cache end, on the
-    target's attention code (prefix + causal). Pairs past a row's valid
-    count are harmless: causality hides them from the valid ones, and the
-    next write starts at the row's stable length."""
+  def _run(self, params, state: EagleState, tok_BT, h_BTD, slots_BT=None,
+           positions_BT=None, visible_BTS=None):
+    """Head layer over T new pairs, written at ``slots`` and attending to
+    the ``visible`` slots, on the target's attention code. Default: a chain
+    block at each row's cache end (prefix + causal); pairs past a row's
+    valid count are harmless there: causality hides them from the valid
+    ones, and the next write starts at the row's stable length."""
     B, T = tok_BT.shape
     c, cache = self.cfg, state.cache
-    slots_BT = cache.new_slots(T)
+    if slots_BT is None:
+      slots_BT = positions_BT = cache.new_slots(T)
+      visible_BTS = llama.attention_mask(cache.lengths, llama.causal_mask(
+          B, T), cache.capacity)
     q, k, v, resid = self._call(params, "project", tok_BT, h_BTD,
-                                params.embed, slots_BT)
+                                params.embed, positions_BT)
     kc, vc = write_kv(cache.k[0], cache.v[0], k, v, slots_BT)
-    mask_BQS = llama.query_mask(cache.lengths, llama.causal_mask(B, T),
-                                cache.capacity, c.num_heads // c.num_kv_heads)
+    mask_BQS = jnp.repeat(visible_BTS, c.num_heads // c.num_kv_heads, axis=1)
     out = self._call(params, "finish", resid,
                      llama.attention(q, kc, vc, mask_BQS))
     return out, state.replace(cache=cache.replace(k=(kc,), v=(vc,)))
@@ -128,25 +144,32 @@ class EagleDrafter:
     del params, tokens_BS, num_tokens_B
     return state.replace(pending=features.astype(state.pending.dtype))
 
-  def propose(self, params: EagleParams, state: EagleState, tokens_BS,
-              num_tokens_B, key, num_draft, sampling) -> Proposal:
+  def _start(self, params: EagleParams, state: EagleState, tokens_BS,
+             num_tokens_B, num_draft):
+    """Runs the pending pairs through the head: ``(state, stable, a)`` with
+    ``stable [B]`` = committed pairs now in the cache (num_tokens - 1) and
+    ``a [B, D]`` the head output that predicts the first draft."""
     if state.pending.shape[1] != num_draft + 1:
       raise ValueError(f"EagleDrafter state made for K="
                        f"{state.pending.shape[1] - 1}, asked for {num_draft}")
-    B, S = tokens_BS.shape
-    K, V = num_draft, params.embed.shape[0]
-    pending = state.pending
-    P = pending.shape[1]  # K + 1 (after the prefill only row 0 is real)
+    S = tokens_BS.shape[1]
+    P = state.pending.shape[1]  # K + 1 (after the prefill only row 0 is real)
     # Pending pairs: (g_t, x_{t+1}) for t = lengths .. num_tokens - 2.
     count_B = num_tokens_B - 1 - state.lengths
     idx_BP = jnp.clip(state.lengths[:, None] + 1 + jnp.arange(P)[None, :], 0,
                       S - 1)
     tok_BP = jnp.take_along_axis(tokens_BS, idx_BP, axis=1)
-    h_BPD = self._call(params, "features", pending)
+    h_BPD = self._call(params, "features", state.pending)
     out_BPD, state = self._run(params, state, tok_BP, h_BPD)
-    stable_B = state.lengths + count_B  # == num_tokens - 1
     a_BD = jnp.take_along_axis(out_BPD, (count_B - 1)[:, None, None],
                                axis=1)[:, 0]
+    return state, state.lengths + count_B, a_BD
+
+  def propose(self, params: EagleParams, state: EagleState, tokens_BS,
+              num_tokens_B, key, num_draft, sampling) -> Proposal:
+    B, V = tokens_BS.shape[0], params.embed.shape[0]
+    state, stable_B, a_BD = self._start(params, state, tokens_BS,
+                                        num_tokens_B, num_draft)
 
     def logits(a_BD):
       """Head output -> logits over the full vocabulary (-inf off Vd)."""
@@ -161,7 +184,72 @@ class EagleDrafter:
 
     scratch = state.with_lengths(stable_B)  # draft entries: overwritten
     drafts_BK, probs_BKV, num_B, _ = draft_chain(
-        logits(a_BD), step, (scratch, a_BD), key, K, sampling,
+        logits(a_BD), step, (scratch, a_BD), key, num_draft, sampling,
         self.min_confidence)
     return Proposal(tokens=drafts_BK, probs=probs_BKV, num_draft=num_B,
                     state=state.with_lengths(stable_B))
+
+  def propose_tree(self, params: EagleParams, state: EagleState, tokens_BS,
+                   num_tokens_B, key, num_draft, num_nodes, sampling
+                   ) -> TreeProposal:
+    """An EAGLE-2 dynamic tree (module doc), ``num_draft`` levels deep."""
+    del key, sampling  # the tree is the head's top-k: no draws
+    if self.tree_width > self.cfg.draft_vocab:
+      raise ValueError(f"tree width {self.tree_width} exceeds the draft "
+                       f"vocabulary ({self.cfg.draft_vocab})")
+    state, stable_B, a_BD = self._start(params, state, tokens_BS,
+                                        num_tokens_B, num_draft)
+    tokens_BC, scores_BC, parents_BC = self._expand(
+        params, state, stable_B, a_BD, num_draft)
+    B = tokens_BS.shape[0]
+    root_B = tokens_BS[jnp.arange(B), num_tokens_B - 1]
+    tree = trees.select(root_B, tokens_BC, scores_BC, parents_BC, num_nodes)
+    return TreeProposal(tree=tree, state=state.with_lengths(stable_B))
+
+  def _expand(self, params, state: EagleState, stable_B, a_BD, num_draft):
+    """Candidates of an EAGLE-2 tree, level by level: the W = tree_width
+    best tokens under the root, then under each of the W best nodes (by
+    cumulative log-probability) of the level before, fed to the head as one
+    block of W pairs at position ``stable + level`` that sees the prefix,
+    its ancestors' scratch entries and itself. Returns ``(tokens, scores,
+    parents)``, each ``[B, C]`` with C = W + (K - 1) W² in level order
+    (parents -1 for the root's children)."""
+    B, W, S = a_BD.shape[0], self.tree_width, state.cache.capacity
+
+    def top(out_BXD):  # [B, X, D] head outputs -> best W children of each
+      logp_BXV = jax.nn.log_softmax(self._call(params, "logits", out_BXD))
+      lp_BXW, idx_BXW = jax.lax.top_k(logp_BXV, W)
+      return lp_BXW, params.draft_ids[idx_BXW].astype(jnp.int32)
+
+    score_BW, tok_BW = (x[:, 0] for x in top(a_BD[:, None]))
+    toks, scores = [tok_BW], [score_BW]
+    parents = [jnp.full((B, W), -1, jnp.int32)]
+    feat_BWD = jnp.broadcast_to(a_BD[:, None], (B, W, a_BD.shape[-1]))
+    node_BW = jnp.broadcast_to(jnp.arange(W, dtype=jnp.int32), (B, W))
+    seen_BWS = jnp.broadcast_to((jnp.arange(S)[None, :] < stable_B[:, None]
+                                 )[:, None], (B, W, S))
+    first = W  # candidate index of the next level's first entry
+    for level in range(num_draft - 1):
+      slots_BW = stable_B[:, None] + level * W + jnp.arange(W)[None, :]
+      seen_BWS = seen_BWS | (jnp.arange(S)[None, None, :]
+                             == slots_BW[..., None])
+      out_BWD, state = self._run(
+          params, state, tok_BW, feat_BWD, slots_BW,
+          jnp.broadcast_to(stable_B[:, None] + level, (B, W)), seen_BWS)
+      lp_BWW, kid_BWW = top(out_BWD)
+      cum_BX = (score_BW[..., None] + lp_BWW).reshape(B, W * W)
+      toks.append(kid_BWW.reshape(B, W * W))
+      scores.append(cum_BX)
+      parents.append(jnp.repeat(node_BW, W, axis=1))
+      # The next frontier: the W best of these W * W children.
+      _, pick_BW = jax.lax.top_k(cum_BX, W)
+      from_BW = pick_BW // W  # which frontier node is the parent
+      take = lambda a: jnp.take_along_axis(a, from_BW.reshape(
+          (B, W) + (1,) * (a.ndim - 2)), axis=1)
+      tok_BW = jnp.take_along_axis(toks[-1], pick_BW, axis=1)
+      score_BW = jnp.take_along_axis(cum_BX, pick_BW, axis=1)
+      feat_BWD, seen_BWS = take(out_BWD), take(seen_BWS)
+      node_BW = first + pick_BW
+      first += W * W
+    return (jnp.concatenate(toks, 1), jnp.concatenate(scores, 1),
+            jnp.concatenate(parents, 1))
