@@ -4,8 +4,9 @@ Axis vocabulary, used in names (``logits_BTV``) and einsum strings everywhere:
 
   B batch · T new tokens this step · S cache capacity (slots) · L layers ·
   D model width · N query heads · G kv heads · R = N/G heads per kv head ·
-  H head dim · F MLP width · V vocab · Vd draft vocab · K draft length ·
-  M tree nodes · P positions picked for logits.
+  H head dim · F MLP width · V vocab · Vd draft vocab · K draft length (a
+  tree's depth) · M tree nodes · C tree candidates · W tree width · P
+  positions picked for logits.
 
 Public API (everything else is an implementation detail):
 """
@@ -25,6 +26,7 @@ from specjax.models.registry import Model, load_model
 from specjax.models.tokenizer import StreamDecoder, Tokenizer
 from specjax.runner import BatchResult, RowResult, generate_ids
 from specjax.sampling import SamplingParams, sample_logits, warp
+from specjax.tree import Tree, TreeResult, verify_tree
 from specjax.verify import ChainResult, verify_chain
 
 __version__ = "0.1.0"
@@ -39,5 +41,5 @@ __all__ = [
     "generate_ids", "generate_jit",
     "init_cache", "load_model", "pad_prompts", "prefill", "prefill_jit",
     "sample_logits", "sharegpt_datastore", "step", "step_jit", "stream",
-    "verify_chain", "warp",
+    "Tree", "TreeResult", "verify_chain", "verify_tree", "warp",
 ]

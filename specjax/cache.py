@@ -75,20 +75,20 @@ def write_kv(k_BGHS: jax.Array, v_BGSH: jax.Array, k_BTGH: jax.Array,
 
 
 def compact_path(cache: KVCache, base_B: jax.Array,
-                 path_BD: jax.Array) -> KVCache:
+                 path_BK1: jax.Array) -> KVCache:
   """Every layer's entries at slots ``base + path[:, d]`` moved to
   ``base + d`` (a tree step's accepted path made contiguous after the
   verify forward wrote node m at ``base + m``). ``path[:, d] >= d``, and all
   entries are read before any is written; lengths are left to the caller.
   In place when the cache is donated."""
-  rows_BD = jnp.broadcast_to(jnp.arange(path_BD.shape[0])[:, None],
-                             path_BD.shape)
-  src_BD = jnp.minimum(base_B[:, None] + path_BD, cache.capacity - 1)
-  dst_BD = base_B[:, None] + jnp.arange(path_BD.shape[1])[None, :]
+  rows_BK1 = jnp.broadcast_to(jnp.arange(path_BK1.shape[0])[:, None],
+                              path_BK1.shape)
+  src_BK1 = jnp.minimum(base_B[:, None] + path_BK1, cache.capacity - 1)
+  dst_BK1 = base_B[:, None] + jnp.arange(path_BK1.shape[1])[None, :]
   ks, vs = [], []
   for k_BGHS, v_BGSH in zip(cache.k, cache.v):
-    k, v = write_kv(k_BGHS, v_BGSH, k_BGHS[rows_BD, :, :, src_BD],
-                    v_BGSH[rows_BD, :, src_BD], dst_BD)
+    k, v = write_kv(k_BGHS, v_BGSH, k_BGHS[rows_BK1, :, :, src_BK1],
+                    v_BGSH[rows_BK1, :, src_BK1], dst_BK1)
     ks.append(k)
     vs.append(v)
   return cache.replace(k=tuple(ks), v=tuple(vs))

@@ -232,16 +232,16 @@ def verify_tree(tree: Tree, anc_BMM: jax.Array, target_probs_BMV: jax.Array,
   last_B = jnp.argmax(jnp.where(accepted_BM, depth_BM, -1), axis=1)
   num_acc_B = depth_BM[rows, last_B]
   on_path_BM = anc_BMM[rows, last_B]
-  at_depth_BDM = on_path_BM[:, None, :] & (
+  at_depth_BK1M = on_path_BM[:, None, :] & (
       depth_BM[:, None, :] == jnp.arange(max_depth + 1)[None, :, None])
-  path_BD = jnp.where(jnp.any(at_depth_BDM, axis=-1),
-                      jnp.argmax(at_depth_BDM, axis=-1), last_B[:, None])
-  idx_BD = jnp.arange(max_depth + 1)[None, :]
-  next_BD = jnp.take_along_axis(
-      tree.tokens, jnp.concatenate([path_BD[:, 1:], path_BD[:, -1:]], 1), 1)
-  tokens_BD = jnp.where(idx_BD < num_acc_B[:, None], next_BD, 0)
-  tokens_BD = jnp.where(idx_BD == num_acc_B[:, None],
-                        draws_BM[rows, last_B][:, None], tokens_BD)
-  return TreeResult(tokens=tokens_BD.astype(jnp.int32),
+  path_BK1 = jnp.where(jnp.any(at_depth_BK1M, axis=-1),
+                       jnp.argmax(at_depth_BK1M, axis=-1), last_B[:, None])
+  idx_BK1 = jnp.arange(max_depth + 1)[None, :]
+  next_BK1 = jnp.take_along_axis(
+      tree.tokens, jnp.concatenate([path_BK1[:, 1:], path_BK1[:, -1:]], 1), 1)
+  tokens_BK1 = jnp.where(idx_BK1 < num_acc_B[:, None], next_BK1, 0)
+  tokens_BK1 = jnp.where(idx_BK1 == num_acc_B[:, None],
+                         draws_BM[rows, last_B][:, None], tokens_BK1)
+  return TreeResult(tokens=tokens_BK1.astype(jnp.int32),
                     num_emitted=num_acc_B + 1, num_accepted=num_acc_B,
-                    path=path_BD.astype(jnp.int32))
+                    path=path_BK1.astype(jnp.int32))

@@ -20,11 +20,19 @@ A drafter that reads the target's hidden states (EAGLE) names the layers in
 its ``feature_taps`` (empty for the others); the engine then passes
 ``features``: the concatenated inputs of those target layers for the tokens
 the target just ran (``[B, Tp, F]`` for the prompt at ``init``,
-``[B, K + 1, F]`` for ``[newest token, drafts]`` at ``commit``); otherwise
-``features`` is None.
+``[B, K + 1, F]`` for ``[newest token, drafts]`` at ``commit``; after a tree
+step, the accepted path's, in path order); otherwise ``features`` is None.
+
+A ``base.TreeDrafter`` (n-gram, EAGLE) also has
+
+  propose_tree(params, drafter_state, tokens_BS, num_tokens_B, key,
+               num_draft, num_nodes, sampling) -> TreeProposal
+
+returning a ``specjax.tree.Tree`` of up to ``num_nodes`` drafted nodes at
+most K deep, fixed before the target scores it (``DecodeConfig.tree_nodes``).
 """
 
-from specjax.drafters.base import Drafter, Proposal
+from specjax.drafters.base import Drafter, Proposal, TreeDrafter, TreeProposal
 from specjax.drafters.draft_model import DraftModelDrafter, LayerSkipDrafter
 from specjax.drafters.eagle import EagleDrafter, EagleParams
 from specjax.drafters.ngram import NGramDrafter
@@ -33,5 +41,5 @@ from specjax.drafters.retrieval import (Datastore, RetrievalDrafter,
 
 __all__ = ["Datastore", "DraftModelDrafter", "Drafter", "EagleDrafter",
            "EagleParams", "LayerSkipDrafter", "NGramDrafter",
-           "Proposal", "RetrievalDrafter", "build_datastore",
-           "sharegpt_datastore"]
+           "Proposal", "RetrievalDrafter", "TreeDrafter", "TreeProposal",
+           "build_datastore", "sharegpt_datastore"]
