@@ -360,8 +360,8 @@ def _tree_step(params, state: DecodeState, model_cfg: ModelConfig,
   base_B = state.cache.lengths
   verify = functools.partial(
       _verify_forward, params, model_cfg, tree.tokens, state.cache,
-      _feature_taps(dcfg), positions_BT=base_B[:, None] + trees.depths(
-          anc_BMM), mask_BTT=anc_BMM)
+      _feature_taps(dcfg), positions_BT=trees.positions(base_B, anc_BMM),
+      mask_BTT=anc_BMM)
   wide = jnp.any((tree.num_drafted > 0) & live_B)
   out = jax.lax.cond(wide, lambda: verify(dcfg.block), lambda: verify(1))
   res = trees.verify_tree(tree, anc_BMM, warp(out.logits, dcfg.sampling),

@@ -75,6 +75,12 @@ def depths(anc_BMM: jax.Array) -> jax.Array:
   return (jnp.sum(anc_BMM, axis=-1) - 1).astype(jnp.int32)
 
 
+def positions(lengths_B: jax.Array, anc_BMM: jax.Array) -> jax.Array:
+  """``int32[B, M]`` RoPE positions: the root at the row's cache length,
+  every node at its depth further on (not at its index in the block)."""
+  return lengths_B[:, None] + depths(anc_BMM)
+
+
 def chain(root_B: jax.Array, drafts_BK: jax.Array,
           num_draft_B: jax.Array) -> Tree:
   """The tree of a chain: root, then drafts i < ``num_draft`` in a line."""

@@ -8,7 +8,7 @@ import pytest
 from specjax import bucketing, engine
 from specjax.drafters import NGramDrafter
 from specjax.models.hf_loader import load_hf
-from specjax.sampling import SamplingParams
+from specjax.sampling import SamplingParams, warp
 from tests.tiny_hf import make_tiny
 
 # Repetitive prompts so prompt lookup has something to find.
@@ -284,4 +284,58 @@ def test_dynamic_k_keeps_sampling_exact(tiny, tiny_draft, monkeypatch):
   counts, expected, _ = _joint_first_two(params, cfg, tiny_draft)
   stat, crit = _chi2(counts, expected)
   jax.clear_caches()
+  assert stat > crit, (stat, crit)
+
+
+@pytest.mark.long
+def test_tree_steps_keep_sampling_exact(tiny, monkeypatch):
+  """Invariant (T = 0.6, 50,000 rows through the engine's tree step): with
+  n-gram tries over a prompt where 11 was followed by 34, 25 and 11 (so the
+  root has siblings, most rows accept a node), the first three generated
+  tokens follow the target's joint distribution (chi-square over the cells
+  expecting >= 5, the rest pooled, below the 99.9% critical value). The
+  third token is drawn at an accepted node, so this checks the tree's
+  positions and mask at T > 0. Mutation: RoPE positions from the node's
+  index in the block instead of its depth (a bug peers shipped) must fail
+  the same check."""
+  from specjax import tree as trees
+  from specjax.models import llama
+  cfg, params = tiny
+  n, V, sp = 50_000, cfg.vocab_size, SamplingParams(0.6)
+  prompt = [5, 6, 11, 34, 25, 11, 25, 11, 11, 34, 11]
+  L = len(prompt)
+
+  def warped(seqs):
+    seqs = jnp.asarray(seqs, jnp.int32)
+    return np.asarray(warp(llama.forward(params, cfg, seqs, llama.init_cache(
+        cfg, seqs.shape[0], 32)).logits, sp))
+
+  q3 = warped([prompt + [a, b] for a in range(V) for b in range(V)])
+  expected = (warped([prompt])[0, L - 1][:, None, None]
+              * warped([prompt + [a] for a in range(V)])[:, L][:, :, None]
+              * q3[:, L + 1].reshape(V, V, V)).ravel() * n
+
+  def first_three():
+    dcfg = engine.DecodeConfig(capacity=24, sampling=sp,
+                               drafter=NGramDrafter(num_paths=3), num_draft=2,
+                               tree_nodes=5)
+    st = engine.generate_jit(
+        params, jnp.tile(jnp.array([prompt], jnp.int32), (n, 1)),
+        jnp.full((n,), L, jnp.int32), jax.random.key(1), np.int32(3),
+        model_cfg=cfg, dcfg=dcfg)
+    t = np.asarray(st.tokens[:, L:L + 3])
+    return np.bincount((t[:, 0] * V + t[:, 1]) * V + t[:, 2],
+                       minlength=V ** 3), st
+
+  counts, st = first_three()
+  stat, crit = _chi2(counts, expected)
+  assert stat < crit, (stat, crit)
+  assert (np.asarray(st.accepted_at)[:, 0] > 0).mean() > 0.5
+
+  monkeypatch.setattr(trees, "positions", lambda lengths_B, anc_BMM: (
+      lengths_B[:, None] + jnp.arange(anc_BMM.shape[1])[None, :]))
+  jax.clear_caches()
+  counts, _ = first_three()
+  jax.clear_caches()
+  stat, crit = _chi2(counts, expected)
   assert stat > crit, (stat, crit)
