@@ -287,6 +287,51 @@ def test_dynamic_k_keeps_sampling_exact(tiny, tiny_draft, monkeypatch):
   assert stat > crit, (stat, crit)
 
 
+def test_tree_logits_equal_each_path_run_alone(tiny):
+  """Invariant: one forward over a branching tree (depth positions, ancestor
+  mask, on top of a ragged cached prefix) gives every node the logits of its
+  root path run token by token (f32, 1e-5) -- a causal mask, index
+  positions or a missing root column would break it."""
+  from specjax import tree as trees
+  from specjax.models import llama
+  cfg, params = tiny
+  prompts = [[5, 6, 7, 8, 9], [3, 4, 5]]
+  prompt_BT, lengths = bucketing.pad_prompts(prompts)
+  pre = llama.forward(params, cfg, prompt_BT, llama.init_cache(cfg, 2, 32))
+  cache = pre.cache.with_lengths(lengths - 1)  # the last token is the root
+  parents = jnp.asarray([[0, 0, 0, 1, 1, 2, 4, 6]] * 2)
+  tokens = jnp.asarray([[9, 1, 2, 3, 4, 5, 6, 7], [5, 8, 9, 10, 11, 12, 13,
+                                                  14]])
+  valid = jnp.ones((2, 8), bool)
+  anc = trees.ancestors(parents, valid)
+  out = llama.forward(params, cfg, tokens, cache,
+                      positions_BT=trees.positions(cache.lengths, anc),
+                      mask_BTT=anc)
+  for b in range(2):
+    for m in range(8):
+      path = [int(j) for j in np.flatnonzero(np.asarray(anc[b, m]))]
+      seq = prompts[b][:-1] + [int(tokens[b, j]) for j in path]
+      alone = llama.forward(params, cfg, jnp.asarray([seq]),
+                            llama.init_cache(cfg, 1, 32)).logits[0, -1]
+      np.testing.assert_allclose(out.logits[b, m], alone, atol=1e-5)
+
+
+def test_a_spine_tree_is_the_chain(tiny):
+  """Invariant at T = 0: a trie of one n-gram path (a spine, K nodes)
+  reproduces the chain step exactly: tokens, steps, per-position
+  acceptance and drafts."""
+  cfg, params = tiny
+  chain, st_c = _run(params, cfg, engine.DecodeConfig(
+      capacity=64, drafter=NGramDrafter(), num_draft=4))
+  spine, st_t = _run(params, cfg, engine.DecodeConfig(
+      capacity=64, drafter=NGramDrafter(num_paths=1), num_draft=4,
+      tree_nodes=4))
+  assert spine == chain
+  for field in ("num_steps", "num_wide", "accepted_at", "num_drafted",
+                "num_forwards"):
+    np.testing.assert_array_equal(getattr(st_t, field), getattr(st_c, field))
+
+
 @pytest.mark.long
 def test_tree_steps_keep_sampling_exact(tiny, monkeypatch):
   """Invariant (T = 0.6, 50,000 rows through the engine's tree step): with

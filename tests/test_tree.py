@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from specjax import tree as trees
-from specjax.sampling import SamplingParams
+from specjax.sampling import SamplingParams, warp
 from tests.test_verify import _chi2_ok
 
 V = 6
@@ -89,52 +89,104 @@ def test_greedy_emits_the_longest_greedy_path():
   assert int(res.num_accepted.max()) >= 2  # not vacuous
 
 
-# Root 0; under it 1 and a duplicate 1 with different children, and 3.
-DUP_TOKENS = [0, 1, 1, 3, 4, 5, 2]
-DUP_PARENTS = [0, 0, 0, 0, 1, 2, 3]
+# Root 0; under it 4, 1, a duplicate 4 (node 3: its subtree must never be
+# accepted) and 2, which the warped target never produces; an invalid node
+# (6); leaves at depths 1 to 3. Tokens follow the warped target's support.
+DUP_TOKENS = [0, 4, 1, 4, 2, 1, 0, 5, 3, 5, 5]
+DUP_PARENTS = [0, 0, 0, 0, 0, 1, 1, 2, 3, 5, 7]
+DUP_VALID = [1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1]
+DUP = 3
+WARPING = SamplingParams(0.7, 0, 0.8)
+WARPED = np.asarray(warp(jnp.log(jnp.asarray(TRANSITIONS)), WARPING),
+                    np.float64)
 
 
-def _joint_first_two(n=50_000, seed=0):
-  """The first two tokens after the root, over n independent verifications
-  of the tree above at T = 1; rows that emitted one token get the second
-  from the target (so the pair's law is the target's if verification is
-  exact)."""
+def _first_three(n=50_000, seed=0):
+  """The first three tokens after the root over n verifications of the
+  tree above under ``WARPING``; tokens a row did not emit are drawn from
+  the target (so the triple's law is the target's if verification is
+  exact). Also returns the accepted depths."""
   t = _tree(DUP_TOKENS, DUP_PARENTS, batch=n)
-  res = _verify(t, jax.random.key(seed), SamplingParams(1.0), max_depth=2)
-  first = np.asarray(res.tokens[:, 0])
-  second = np.asarray(res.tokens[:, 1])
+  t = t.replace(valid=jnp.tile(jnp.asarray(DUP_VALID, bool)[None], (n, 1)))
+  anc = trees.ancestors(t.parents, t.valid)
+  probs = jnp.asarray(WARPED, jnp.float32)[t.tokens]
+  res = trees.verify_tree(t, anc, probs, jax.random.key(seed), WARPING, 3)
+  out = np.array(res.tokens[:, :3])
+  emitted = np.asarray(res.num_emitted)
   rng = np.random.default_rng(seed)
-  alone = np.asarray(res.num_emitted) == 1
-  u = rng.random(n)[:, None]
-  fill = (u > np.cumsum(TRANSITIONS[first], axis=1)).sum(1)
-  second = np.where(alone, fill, second)
-  return first * V + second, (~alone).mean()
+  for i in range(1, 3):
+    prev = out[:, i - 1]
+    fill = (rng.random(n)[:, None] > np.cumsum(WARPED[prev], 1)).sum(1)
+    out[:, i] = np.where(emitted > i, out[:, i], np.minimum(fill, V - 1))
+  return (out[:, 0] * V + out[:, 1]) * V + out[:, 2], np.asarray(
+      res.num_accepted)
+
+
+def _expected_accepted():
+  """E[accepted depth] = sum over acceptable nodes of the product of target
+  probabilities along their path (the duplicate's subtree and the invalid
+  node excluded)."""
+  total = 0.0
+  for m in range(1, len(DUP_TOKENS)):
+    path, node = [], m
+    while node:
+      path.append(node)
+      node = DUP_PARENTS[node]
+    if not DUP_VALID[m] or DUP in path:
+      continue
+    prob = 1.0
+    for node in path:
+      prob *= WARPED[DUP_TOKENS[DUP_PARENTS[node]], DUP_TOKENS[node]]
+    total += prob
+  return total
+
+
+def _check():
+  """Chi-square of the first three tokens (99.9% critical value) and a
+  z-test of the mean accepted depth against ``_expected_accepted``."""
+  triples, accepted = _first_three()
+  joint = (WARPED[0][:, None, None] * WARPED[:, :, None] * WARPED[None])
+  stat, crit = _chi2_ok(triples, joint)
+  z = (accepted.mean() - _expected_accepted()) / (
+      max(accepted.std(), 1e-6) / np.sqrt(accepted.size))
+  return stat, crit, z, accepted
 
 
 def test_sampled_tree_verification_is_exact():
-  """Invariant: at T = 1 the first two emitted tokens follow the target's
-  joint law (chi-square, 99.9% critical value, 50,000 verifications of a
-  tree with a duplicated sibling); test_verification_check_catches_mutations
-  shows the same check failing for wrong verifiers."""
-  joint = TRANSITIONS[0][:, None] * TRANSITIONS
-  pairs, accepted = _joint_first_two()
-  assert 0.2 < accepted < 0.9  # both cases occur
-  stat, crit = _chi2_ok(pairs, joint)
+  """Invariants at T = 0.7, top-p 0.8 over 50,000 verifications of a tree
+  with a duplicated sibling, an invalid node and leaves at depths 1-3: the
+  first three emitted tokens follow the target's joint law (chi-square
+  below the 99.9% critical value) and the mean accepted depth equals the
+  sum over nodes of the path's target probabilities (|z| < 4);
+  test_verification_check_catches_mutations shows the check failing for
+  wrong verifiers."""
+  stat, crit, z, accepted = _check()
   assert stat < crit, (stat, crit)
+  assert abs(z) < 4, z
+  assert (accepted >= 2).mean() > 0.05 and (accepted == 0).mean() > 0.1
 
 
-@pytest.mark.parametrize("mutation", ["own_draw", "duplicates_kept"])
+@pytest.mark.long
+@pytest.mark.parametrize("mutation", ["own_draw", "duplicates_kept",
+                                      "shared_key"])
 def test_verification_check_catches_mutations(mutation, monkeypatch):
-  """The chi-square above fails for a node matched against its own draw
-  instead of its parent's, and for siblings not de-duplicated."""
+  """The checks above fail for a node matched against its own draw instead
+  of its parent's (nothing is ever accepted: z), for siblings not
+  de-duplicated (chi-square 1,209, z 12.9) and for one random draw shared by
+  every node (the same Gumbel noise: chi-square 18,664)."""
   if mutation == "own_draw":
     monkeypatch.setattr(trees, "matches", lambda tree, draws: (
         tree.valid & (tree.tokens == draws)))
-  else:
+  elif mutation == "duplicates_kept":
     monkeypatch.setattr(trees, "distinct_siblings", lambda tree: tree.valid)
-  joint = TRANSITIONS[0][:, None] * TRANSITIONS
-  stat, crit = _chi2_ok(_joint_first_two()[0], joint)
-  assert stat > crit, (stat, crit)
+  else:
+    def shared(probs_BMV, sampling, key):
+      del sampling
+      g = jax.random.gumbel(key, probs_BMV.shape[:1] + (1, V))
+      return jnp.argmax(jnp.log(probs_BMV) + g, axis=-1).astype(jnp.int32)
+    monkeypatch.setattr(trees, "draw", shared)
+  stat, crit, z, _ = _check()
+  assert stat > crit or abs(z) > 4, (stat, crit, z)
 
 
 def test_select_keeps_the_best_nodes_closed_under_ancestors():
@@ -169,3 +221,27 @@ def test_select_keeps_the_best_nodes_closed_under_ancestors():
       assert p < m
       want = parents[b, kept[m - 1]]
       assert (p == 0) if want < 0 else (tok[b, p] - 100 == want)
+
+
+def test_ancestors_and_depths_equal_a_brute_force_walk():
+  """Invariant for random trees (parents before children, invalid nodes
+  whose subtrees are invalid too): ``ancestors`` holds exactly the nodes
+  met walking up the parent links, ``depths`` their count; an invalid node
+  sees only itself."""
+  rng = np.random.default_rng(3)
+  B, M = 32, 12
+  parents = np.zeros((B, M), int)
+  valid = np.ones((B, M), bool)
+  for m in range(1, M):
+    parents[:, m] = rng.integers(0, m, B)
+    valid[:, m] = valid[np.arange(B), parents[:, m]] & (rng.random(B) < 0.8)
+  anc = np.asarray(trees.ancestors(jnp.asarray(parents), jnp.asarray(valid)))
+  dep = np.asarray(trees.depths(jnp.asarray(anc)))
+  for b in range(B):
+    for m in range(M):
+      want, node = {m}, m
+      while valid[b, m] and node:
+        node = parents[b, node]
+        want.add(node)
+      assert set(np.flatnonzero(anc[b, m])) == want, (b, m)
+      assert dep[b, m] == len(want) - 1
