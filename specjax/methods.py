@@ -149,7 +149,9 @@ def _eagle(model: "Model", spec: MethodSpec):
   import jax.numpy as jnp
 
   from specjax.drafters.eagle import EagleDrafter, EagleParams
+  from specjax.heads.eagle import pack_head
   from specjax.heads.export import load_head
+  from specjax.models.llama import is_packed
   variant = "eagle1" if spec.name == "eagle" else "eagle3"
   path = spec.head
   if path is None:
@@ -167,6 +169,8 @@ def _eagle(model: "Model", spec: MethodSpec):
   if cfg.variant != variant:
     raise MethodError(f"--head {str(path)!r} is an {cfg.variant} head; use "
                       f"--method {'eagle' if cfg.variant == 'eagle1' else 'eagle3'}")
+  if is_packed(model.params):  # the target's native CPU path: the head's too
+    head = pack_head(head)
   params = EagleParams(head=head, draft_ids=draft_ids,
                         embed=jnp.asarray(model.params.embed))
   if spec.tree_width > cfg.draft_vocab:

@@ -179,3 +179,46 @@ def test_packed_smollm2_logits_equal_xla(smollm2):
   for a, b in zip(_logits(packed, smollm2.config, prompt, new),
                   _logits(plain, smollm2.config, prompt, new)):
     _assert_close(a, b)
+
+
+@pytest.mark.parametrize("variant", ["eagle3", "eagle1"])
+def test_packed_head_equals_plain(variant):
+  """Invariant: an EAGLE head whose dense kernels are packed for the kernel
+  (``pack_head``; EAGLE-1's fc has a bias) computes the plain head's logits
+  to 1e-5 of the largest, over 1 and 4 rows (a chain step, a tree level),
+  and its parameters keep the plain ones' names."""
+  from flax.traverse_util import flatten_dict
+
+  from specjax.heads.eagle import HeadConfig, head_module, pack_head
+  from specjax.models import llama
+  cfg = HeadConfig(target_dim=48, target_vocab=101, target_layers=4,
+                   taps=(4,) if variant == "eagle1" else (1, 2, 3),
+                   num_heads=4, num_kv_heads=2, head_dim=12, ffn_dim=80,
+                   draft_vocab=101 if variant == "eagle1" else 57,
+                   variant=variant)
+  head = head_module(cfg)
+  rng = np.random.default_rng(7)
+  embed = jnp.asarray(rng.standard_normal((101, 48)), jnp.float32)
+  for T in (1, 4):
+    taps = jnp.asarray(rng.standard_normal((2, T, 48 * len(cfg.taps))),
+                       jnp.float32)
+    tok = jnp.asarray(rng.integers(0, 101, (2, T)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(T), (2, T))
+    params = head.init(jax.random.key(T), taps, tok, embed, pos)["params"]
+    packed = pack_head(params)
+    assert isinstance(packed["lm_head"]["kernel"], llama.PackedWeight)
+    assert flatten_dict(packed).keys() == flatten_dict(params).keys()
+    run = jax.jit(lambda p: head.apply({"params": p}, taps, tok, embed, pos))
+    _assert_close(run(packed), run(params))
+
+
+def test_shipped_head_is_packed_on_a_packed_target(smollm2):
+  """Invariant: ``methods.build`` packs the EAGLE-3 head when the target
+  runs on the native path (``load_model``'s CPU default), so drafting reads
+  the head's weights with the same kernel."""
+  from specjax import methods
+  from specjax.models import llama
+  assert llama.is_packed(smollm2.params)
+  _, dparams = methods.build(smollm2, methods.MethodSpec("eagle3",
+                                                         num_draft=2))
+  assert isinstance(dparams.head["wq"]["kernel"], llama.PackedWeight)

@@ -25,9 +25,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from specjax import native
 from specjax.models.config import ModelConfig
-from specjax.models.llama import (apply_rope, attention, causal_mask,
-                                  query_mask, rope, rope_inv_freq)
+from specjax.models.llama import (PackedWeight, apply_rope, attention,
+                                  causal_mask, linear, query_mask, rope,
+                                  rope_inv_freq)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,9 +101,36 @@ class HeadConfig:
                        f"has {target.num_layers} layers")
 
 
-def _dense(features: int, name: str) -> nn.Dense:
-  return nn.Dense(features, use_bias=False, name=name,
-                  kernel_init=nn.initializers.normal(0.02))
+class Dense(nn.Dense):
+  """``nn.Dense`` (same parameters, same training) that also runs a kernel
+  ``pack_head`` pre-arranged for the native small-row matmul."""
+
+  def __call__(self, x):
+    if self.has_variable("params", "kernel"):
+      w = self.get_variable("params", "kernel")
+      if isinstance(w, PackedWeight):
+        y = linear(x, w)
+        if self.use_bias:
+          b = self.get_variable("params", "bias")
+          y = y + b.reshape((1,) * (y.ndim - 1) + b.shape)
+        return y
+    return super().__call__(x)
+
+
+def pack_head(params):
+  """A head's parameters with every dense kernel packed for the native CPU
+  matmul (``specjax.native``), as ``llama.pack_params`` does the target's:
+  for drafting on a packed target. Inference only (no VJP)."""
+  def pack(path, x):
+    if path[-1].key == "kernel":
+      return PackedWeight(native.pack(x), x.shape[1])
+    return x
+  return jax.tree_util.tree_map_with_path(pack, params)
+
+
+def _dense(features: int, name: str, use_bias: bool = False) -> Dense:
+  return Dense(features, use_bias=use_bias, name=name,
+               kernel_init=nn.initializers.normal(0.02))
 
 
 class Eagle3Head(nn.Module):
@@ -166,8 +195,7 @@ class Eagle1Head(nn.Module):
   def setup(self):
     c = self.cfg
     self.feature_norm = nn.RMSNorm(epsilon=c.norm_eps, name="feature_norm")
-    self.fc = nn.Dense(c.target_dim, use_bias=True, name="fc",
-                       kernel_init=nn.initializers.normal(0.02))
+    self.fc = _dense(c.target_dim, "fc", use_bias=True)
     _layer(self)
     self.lm_head = _dense(c.draft_vocab, "lm_head")
 
