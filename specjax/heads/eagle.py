@@ -25,11 +25,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from specjax import native
 from specjax.models.config import ModelConfig
 from specjax.models.llama import (PackedWeight, apply_rope, attention,
-                                  causal_mask, linear, query_mask, rope,
-                                  rope_inv_freq)
+                                  causal_mask, linear, pack_weight,
+                                  query_mask, rope, rope_inv_freq)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,11 +120,9 @@ def pack_head(params):
   """A head's parameters with every dense kernel packed for the native CPU
   matmul (``specjax.native``), as ``llama.pack_params`` does the target's:
   for drafting on a packed target. Inference only (no VJP)."""
-  def pack(path, x):
-    if path[-1].key == "kernel":
-      return PackedWeight(native.pack(x), x.shape[1])
-    return x
-  return jax.tree_util.tree_map_with_path(pack, params)
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: pack_weight(x) if path[-1].key == "kernel" else x,
+      params)
 
 
 def _dense(features: int, name: str, use_bias: bool = False) -> Dense:

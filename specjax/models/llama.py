@@ -114,6 +114,11 @@ def random_params(key: jax.Array, cfg: ModelConfig, scale: float = 0.02,
                      lm_head=None if cfg.tie_embeddings else w(V, D))
 
 
+def pack_weight(w_KN: jax.Array) -> PackedWeight:
+  """A ``[K, N]`` weight pre-arranged for the native small-row matmul."""
+  return PackedWeight(native.pack(w_KN), w_KN.shape[1])
+
+
 def pack_params(params: LlamaParams) -> LlamaParams:
   """The same f32 model with every layer matmul and the LM head
   pre-arranged for the native small-row matmul (``specjax.native``). A tied
@@ -124,7 +129,7 @@ def pack_params(params: LlamaParams) -> LlamaParams:
   if params.embed.dtype != jnp.float32:
     raise ValueError(f"the native matmul is f32; these weights are "
                      f"{params.embed.dtype}")
-  pk = lambda w_KN: PackedWeight(native.pack(w_KN), w_KN.shape[1])
+  pk = pack_weight
   layers = tuple(lp.replace(wqkv=pk(lp.wqkv), wo=pk(lp.wo),
                             w_gate_up=pk(lp.w_gate_up), w_down=pk(lp.w_down))
                  for lp in params.layers)
