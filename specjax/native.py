@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 LIBRARY = pathlib.Path(__file__).with_name("kernels") / "_native.so"
 TARGET = "specjax_small_gemm"
+TARGET_BF16 = "specjax_small_gemm_bf16"  # bf16 panels (``pack(w, bf16)``)
 ATTENTION = "specjax_attention"
 LANES = 16  # output columns per panel (small_gemm.cc: kLanes)
 _status: dict = {}
@@ -66,6 +67,7 @@ def _load():
   try:
     lib = ctypes.cdll.LoadLibrary(str(LIBRARY))
     for target, fn in ((TARGET, lib.SpecjaxSmallGemm),
+                       (TARGET_BF16, lib.SpecjaxSmallGemmBf16),
                        (ATTENTION, lib.SpecjaxAttention)):
       jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn),
                                   platform="cpu")
@@ -74,12 +76,15 @@ def _load():
   return None
 
 
-def pack(w_KN: jax.Array) -> jax.Array:
+def pack(w_KN: jax.Array, dtype=jnp.float32) -> jax.Array:
   """``[K, N]`` -> ``[ceil(N / 16), K, 16]`` panels, zero-padded: each
-  panel's K x 16 weights contiguous, in the order the kernel reads them."""
+  panel's K x 16 weights contiguous, in the order the kernel reads them.
+  ``dtype`` f32 or bf16: bf16 panels are read at half the bytes and widened
+  exactly, so they give the f32 result for weights that bf16 holds exactly
+  (``exact_in``)."""
   K, N = w_KN.shape
   P = -(-N // LANES)
-  w = jnp.pad(w_KN, ((0, 0), (0, P * LANES - N)))
+  w = jnp.pad(jnp.asarray(w_KN).astype(dtype), ((0, 0), (0, P * LANES - N)))
   return w.reshape(K, P, LANES).transpose(1, 0, 2)
 
 
@@ -89,16 +94,28 @@ def unpack(packed_PKL: jax.Array, n: int) -> jax.Array:
   return packed_PKL.transpose(1, 0, 2).reshape(K, P * L)[:, :n]
 
 
+def exact_in(w: jax.Array, dtype) -> bool:
+  """Whether every value of ``w`` survives a round trip through ``dtype``
+  (host-side, once, at pack time)."""
+  w = jnp.asarray(w)
+  return bool(jnp.all(w.astype(dtype).astype(w.dtype) == w))
+
+
 def small_matmul(x_MK: jax.Array, packed_PKL: jax.Array, n: int
                  ) -> jax.Array:
-  """``x @ W`` as ``f32[M, n]`` for ``packed = pack(W)`` (W: ``[K, n]``).
-  The native kernel when ``available()``, else XLA on the packed layout."""
+  """``x @ W`` as ``f32[M, n]`` for ``packed = pack(W)`` (W: ``[K, n]``,
+  panels f32 or bf16). The native kernel when ``available()``, else XLA on
+  the packed layout (bf16 widened to f32 first: the same products)."""
   M, K = x_MK.shape
+  bf16 = packed_PKL.dtype == jnp.bfloat16
   if available():
-    return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((M, n), jnp.float32),
+    return jax.ffi.ffi_call(TARGET_BF16 if bf16 else TARGET,
+                            jax.ShapeDtypeStruct((M, n), jnp.float32),
                             vmap_method="sequential")(
-        x_MK.astype(jnp.float32), packed_PKL.astype(jnp.float32))
-  y = jnp.einsum("mk,pkl->mpl", x_MK, packed_PKL,
+        x_MK.astype(jnp.float32),
+        packed_PKL if bf16 else packed_PKL.astype(jnp.float32))
+  y = jnp.einsum("mk,pkl->mpl", x_MK.astype(jnp.float32),
+                 packed_PKL.astype(jnp.float32),
                  preferred_element_type=jnp.float32)
   return y.reshape(M, -1)[:, :n]
 

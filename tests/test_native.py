@@ -34,6 +34,29 @@ def test_small_matmul_equals_xla_dot(K, N):
                                atol=1e-5 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("K,N", [(576, 1728), (577, 1000), (5, 17)])
+@pytest.mark.parametrize("use_native", [True, False])
+def test_bf16_panels_give_the_f32_product(K, N, use_native, monkeypatch):
+  """Invariant: for weights bf16 holds exactly, bf16 panels (half the
+  bytes) give the f32 panels' product bit for bit, on the kernel and on
+  the XLA fallback, for M = 1..64; ``exact_in`` says which weights qualify.
+  """
+  if not use_native:
+    monkeypatch.setattr(native, "_status", {"ok": False})
+  rng = np.random.default_rng(K + N)
+  w = jnp.asarray(rng.standard_normal((K, N)), jnp.bfloat16).astype(
+      jnp.float32)
+  assert native.exact_in(w, jnp.bfloat16)
+  assert not native.exact_in(w + 1e-4, jnp.bfloat16)
+  p32, p16 = native.pack(w), native.pack(w, jnp.bfloat16)
+  assert p16.dtype == jnp.bfloat16 and p16.shape == p32.shape
+  f = jax.jit(lambda x, p: native.small_matmul(x, p, N))
+  for M in ROWS:
+    x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(f(x, p16)),
+                                  np.asarray(f(x, p32)))
+
+
 def test_small_matmul_runs_inside_compiled_loops():
   """Invariant: the custom call is part of the program: it runs inside
   ``lax.fori_loop`` under ``jit`` (no host callback) with the result of
@@ -182,11 +205,13 @@ def test_packed_smollm2_logits_equal_xla(smollm2):
 
 
 @pytest.mark.parametrize("variant", ["eagle3", "eagle1"])
-def test_packed_head_equals_plain(variant):
+@pytest.mark.parametrize("in_bf16", [False, True])
+def test_packed_head_equals_plain(variant, in_bf16):
   """Invariant: an EAGLE head whose dense kernels are packed for the kernel
   (``pack_head``; EAGLE-1's fc has a bias) computes the plain head's logits
   to 1e-5 of the largest, over 1 and 4 rows (a chain step, a tree level),
-  and its parameters keep the plain ones' names."""
+  and its parameters keep the plain ones' names. A head whose weights bf16
+  holds exactly is packed in bf16, any other in f32."""
   from flax.traverse_util import flatten_dict
 
   from specjax.heads.eagle import HeadConfig, head_module, pack_head
@@ -205,8 +230,13 @@ def test_packed_head_equals_plain(variant):
     tok = jnp.asarray(rng.integers(0, 101, (2, T)), jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(T), (2, T))
     params = head.init(jax.random.key(T), taps, tok, embed, pos)["params"]
+    if in_bf16:
+      params = jax.tree.map(
+          lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), params)
     packed = pack_head(params)
     assert isinstance(packed["lm_head"]["kernel"], llama.PackedWeight)
+    assert packed["lm_head"]["kernel"].panels.dtype == (
+        jnp.bfloat16 if in_bf16 else jnp.float32)
     assert flatten_dict(packed).keys() == flatten_dict(params).keys()
     run = jax.jit(lambda p: head.apply({"params": p}, taps, tok, embed, pos))
     _assert_close(run(packed), run(params))
@@ -215,10 +245,11 @@ def test_packed_head_equals_plain(variant):
 def test_shipped_head_is_packed_on_a_packed_target(smollm2):
   """Invariant: ``methods.build`` packs the EAGLE-3 head when the target
   runs on the native path (``load_model``'s CPU default), so drafting reads
-  the head's weights with the same kernel."""
+  the head's weights with the same kernel, in bf16 (the file's precision)."""
   from specjax import methods
   from specjax.models import llama
   assert llama.is_packed(smollm2.params)
   _, dparams = methods.build(smollm2, methods.MethodSpec("eagle3",
                                                          num_draft=2))
   assert isinstance(dparams.head["wq"]["kernel"], llama.PackedWeight)
+  assert dparams.head["lm_head"]["kernel"].panels.dtype == jnp.bfloat16

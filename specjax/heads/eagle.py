@@ -25,6 +25,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from specjax import native
 from specjax.models.config import ModelConfig
 from specjax.models.llama import (PackedWeight, apply_rope, attention,
                                   causal_mask, linear, pack_weight,
@@ -119,9 +120,16 @@ class Dense(nn.Dense):
 def pack_head(params):
   """A head's parameters with every dense kernel packed for the native CPU
   matmul (``specjax.native``), as ``llama.pack_params`` does the target's:
-  for drafting on a packed target. Inference only (no VJP)."""
+  for drafting on a packed target. Inference only (no VJP). Kernels that
+  bf16 holds exactly (the shipped head's, stored in bf16) get bf16 panels:
+  drafting reads half the bytes and computes the same f32 products."""
+  is_kernel = lambda path: path[-1].key == "kernel"
+  kernels = [x for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
+             if is_kernel(path)]
+  dtype = (jnp.bfloat16 if all(native.exact_in(w, jnp.bfloat16)
+                               for w in kernels) else jnp.float32)
   return jax.tree_util.tree_map_with_path(
-      lambda path, x: pack_weight(x) if path[-1].key == "kernel" else x,
+      lambda path, x: pack_weight(x, dtype) if is_kernel(path) else x,
       params)
 
 

@@ -17,6 +17,11 @@
 // host). Variants measured and dropped: DESIGN.md. Panels are shared out
 // over XLA's intra-op thread pool. AVX2 + FMA where the CPU has them (an
 // AVX-512 variant is still to come), else plain C++.
+//
+// Panels hold f32 or bf16 weights (SpecjaxSmallGemmBf16): a bf16 weight is
+// widened to f32 in registers (its 16 bits become the float's top half,
+// exact), so a bf16 panel gives the f32 kernel's result on the same values
+// while reading half the bytes. Rows, sums and outputs are f32 either way.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -36,6 +41,28 @@ constexpr int64_t kChunk = 128;  // panel rows a chunk: 8 KB, stays in L1
 constexpr int64_t kAhead = 16;   // panel rows prefetched ahead: 1 KB
 constexpr int64_t kGroup = 8 * kRows;  // rows sharing one output tile
 
+using bf16 = uint16_t;  // the top half of an f32's bits
+
+// Eight weights of a panel row as f32 (AVX2).
+__attribute__((target("avx2,fma"), always_inline)) inline __m256 load8(
+    const float* w) {
+  return _mm256_loadu_ps(w);
+}
+__attribute__((target("avx2,fma"), always_inline)) inline __m256 load8(
+    const bf16* w) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// One weight as f32 (plain C++).
+inline float widen(float w) { return w; }
+inline float widen(bf16 w) {
+  const uint32_t bits = static_cast<uint32_t>(w) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
 // Rows [0, MB) of x (row stride ldx) times K rows of a panel: out[r, :16]
 // (added to what out holds when `accumulate`). AVX2 + FMA: two ymm
 // accumulators a row (two independent FMA chains even for one row), the
@@ -44,10 +71,10 @@ constexpr int64_t kGroup = 8 * kRows;  // rows sharing one output tile
 // stored one by one: with an array, or a loop over one at the end, GCC keeps
 // them in memory and stores them back on every k (blocks of 1-4 rows ran
 // at a third of the speed that way).
-template <int MB>
+template <typename W, int MB>
 __attribute__((target("avx2,fma"))) void block_avx2(
-    const float* x, int64_t ldx, const float* panel, int64_t K, float* out,
-    bool accumulate, const float* ahead, int64_t step) {
+    const float* x, int64_t ldx, const W* panel, int64_t K, float* out,
+    bool accumulate, const W* ahead, int64_t step) {
   __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0,
          h2 = l0, l3 = l0, h3 = l0, l4 = l0, h4 = l0, l5 = l0, h5 = l0;
   if (accumulate) {
@@ -63,8 +90,8 @@ __attribute__((target("avx2,fma"))) void block_avx2(
   for (int64_t k = 0; k < K; ++k) {
     _mm_prefetch(reinterpret_cast<const char*>(ahead + (k * step >> 16) * kLanes),
                  _MM_HINT_T0);
-    const __m256 w0 = _mm256_loadu_ps(panel + k * kLanes);
-    const __m256 w1 = _mm256_loadu_ps(panel + k * kLanes + 8);
+    const __m256 w0 = load8(panel + k * kLanes);
+    const __m256 w1 = load8(panel + k * kLanes + 8);
 #define SPECJAX_ROW(r)                                                    \
   if constexpr (MB > r) {                                                 \
     const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);               \
@@ -86,27 +113,35 @@ __attribute__((target("avx2,fma"))) void block_avx2(
 }
 
 // The same in plain C++, for CPUs without AVX2 + FMA.
-template <int MB>
-void block_generic(const float* x, int64_t ldx, const float* panel, int64_t K,
-                   float* out, bool accumulate, const float*, int64_t) {
+template <typename W, int MB>
+void block_generic(const float* x, int64_t ldx, const W* panel, int64_t K,
+                   float* out, bool accumulate, const W*, int64_t) {
   float acc[MB][kLanes] = {};
   if (accumulate) std::memcpy(acc, out, sizeof(acc));
   for (int64_t k = 0; k < K; ++k)
     for (int r = 0; r < MB; ++r)
       for (int64_t j = 0; j < kLanes; ++j)
-        acc[r][j] += x[r * ldx + k] * panel[k * kLanes + j];
+        acc[r][j] += x[r * ldx + k] * widen(panel[k * kLanes + j]);
   std::memcpy(out, acc, sizeof(acc));
 }
 
-using BlockFn = void (*)(const float*, int64_t, const float*, int64_t,
-                         float*, bool, const float*, int64_t);
-#define SPECJAX_BLOCKS(fn)                                               \
-  {nullptr, fn<1>, fn<2>, fn<3>, fn<4>, fn<5>, fn<6>}
-const BlockFn kAvx2[kRows + 1] = SPECJAX_BLOCKS(block_avx2);
-const BlockFn kGeneric[kRows + 1] = SPECJAX_BLOCKS(block_generic);
+template <typename W>
+using BlockFn = void (*)(const float*, int64_t, const W*, int64_t, float*,
+                         bool, const W*, int64_t);
+#define SPECJAX_BLOCKS(fn, W)                                             \
+  {nullptr, fn<W, 1>, fn<W, 2>, fn<W, 3>, fn<W, 4>, fn<W, 5>, fn<W, 6>}
 
-// The block kernels for this CPU, chosen once by its features.
-const BlockFn* const kBlocks = specjax::has_avx2_fma() ? kAvx2 : kGeneric;
+// The block kernels for this CPU and weight type, chosen once by the CPU's
+// features.
+template <typename W>
+struct Blocks {
+  static constexpr BlockFn<W> avx2[kRows + 1] = SPECJAX_BLOCKS(block_avx2, W);
+  static constexpr BlockFn<W> generic[kRows + 1] =
+      SPECJAX_BLOCKS(block_generic, W);
+  static inline const BlockFn<W>* const fns =
+      specjax::has_avx2_fma() ? avx2 : generic;
+};
+#undef SPECJAX_BLOCKS
 
 // Rows in blocks of at most kRows, shared out evenly (16 rows as 6 + 5 + 5,
 // 8 as 4 + 4).
@@ -116,11 +151,12 @@ int64_t block_rows(int64_t rows, int64_t blocks_left) {
 
 // Panels [p0, p1) against every row of x, written into y: rows in groups
 // sharing an output tile, each group's blocks taking turns chunk by chunk.
-void panels(const float* x, int64_t M, int64_t K, const float* w, int64_t N,
+template <typename W>
+void panels(const float* x, int64_t M, int64_t K, const W* w, int64_t N,
             int64_t p0, int64_t p1, float* y) {
   float tile[kGroup * kLanes];
   for (int64_t p = p0; p < p1; ++p) {
-    const float* panel = w + p * K * kLanes;
+    const W* panel = w + p * K * kLanes;
     const int64_t n0 = p * kLanes, cols = std::min(kLanes, N - n0);
     for (int64_t g0 = 0; g0 < M; g0 += kGroup) {
       const int64_t rows = std::min(kGroup, M - g0);
@@ -130,10 +166,10 @@ void panels(const float* x, int64_t M, int64_t K, const float* w, int64_t N,
         for (int64_t b = 0, m0 = 0; b < blocks; ++b) {
           const int64_t mb = block_rows(rows - m0, blocks - b);
           // What this block prefetches: k * step / 2^16 panel rows past it.
-          const float* ahead =
+          const W* ahead =
               blocks == 1 ? panel + (k0 + kAhead) * kLanes
                           : panel + (k0 + kChunk + b * kc / blocks) * kLanes;
-          kBlocks[mb](x + (g0 + m0) * K + k0, K, panel + k0 * kLanes, kc,
+          Blocks<W>::fns[mb](x + (g0 + m0) * K + k0, K, panel + k0 * kLanes, kc,
                       tile + m0 * kLanes, k0 > 0, ahead, (1 << 16) / blocks);
           m0 += mb;
         }
@@ -145,8 +181,10 @@ void panels(const float* x, int64_t M, int64_t K, const float* w, int64_t N,
   }
 }
 
+// y = x @ w for w packed with weights of type W (ffi::F32 or ffi::BF16).
+template <ffi::DataType WT>
 ffi::Error SmallGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                     ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
+                     ffi::Buffer<WT> w, ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 ||
       wd[2] != kLanes || wd[1] != xd[1] || yd[0] != xd[0] ||
@@ -155,7 +193,7 @@ ffi::Error SmallGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
         "small_gemm: want x[M, K], w[ceil(N/16), K, 16], y[M, N]");
   const int64_t M = xd[0], K = xd[1], N = yd[1], P = wd[0];
   const float* xp = x.typed_data();
-  const float* wp = w.typed_data();
+  const auto* wp = w.typed_data();
   float* yp = y->typed_data();
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t chunk = std::max<int64_t>(1, P / (4 * threads));
@@ -167,9 +205,13 @@ ffi::Error SmallGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxSmallGemm, SmallGemm,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+#define SPECJAX_SMALL_GEMM(name, WT)                                  \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, SmallGemm<WT>,                  \
+                                ffi::Ffi::Bind()                      \
+                                    .Ctx<ffi::ThreadPool>()           \
+                                    .Arg<ffi::Buffer<ffi::F32>>()     \
+                                    .Arg<ffi::Buffer<WT>>()           \
+                                    .Ret<ffi::Buffer<ffi::F32>>());
+SPECJAX_SMALL_GEMM(SpecjaxSmallGemm, ffi::F32)
+SPECJAX_SMALL_GEMM(SpecjaxSmallGemmBf16, ffi::BF16)
+#undef SPECJAX_SMALL_GEMM

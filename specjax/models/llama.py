@@ -70,7 +70,7 @@ def is_packed(params: "LlamaParams") -> bool:
 
 def linear(x: jax.Array, w) -> jax.Array:
   """``x @ w`` over the last axis, for a ``[K, N]`` array (XLA's dot) or a
-  ``PackedWeight`` (the native kernel, f32)."""
+  ``PackedWeight`` (the native kernel; f32 math)."""
   if not isinstance(w, PackedWeight):
     return x @ w
   *lead, K = x.shape
@@ -114,9 +114,10 @@ def random_params(key: jax.Array, cfg: ModelConfig, scale: float = 0.02,
                      lm_head=None if cfg.tie_embeddings else w(V, D))
 
 
-def pack_weight(w_KN: jax.Array) -> PackedWeight:
-  """A ``[K, N]`` weight pre-arranged for the native small-row matmul."""
-  return PackedWeight(native.pack(w_KN), w_KN.shape[1])
+def pack_weight(w_KN: jax.Array, dtype=jnp.float32) -> PackedWeight:
+  """A ``[K, N]`` weight pre-arranged for the native small-row matmul, its
+  panels f32 or (for weights bf16 holds exactly) bf16: half the bytes."""
+  return PackedWeight(native.pack(w_KN, dtype), w_KN.shape[1])
 
 
 def pack_params(params: LlamaParams) -> LlamaParams:
@@ -143,7 +144,7 @@ def lm_head_VD(params: LlamaParams) -> jax.Array:
   if w is None:
     return params.embed
   if isinstance(w, PackedWeight):
-    return native.unpack(w.panels, w.n).T
+    return native.unpack(w.panels, w.n).T.astype(jnp.float32)
   return w
 
 
