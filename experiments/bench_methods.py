@@ -5,10 +5,11 @@
       --json experiments/results/bench_eagle.jsonl --journal runs/mt_t0.journal
 
 `specjax bench` gives every method of one invocation the same knobs; here each
-positional spec is NAME[:k=K][:nodes=M][:width=W][:conf=C][:layers=L][:head=P]
-(conf is min_confidence, nodes and width the tree's size and branching, head
-a head file), so e.g. fixed and dynamic K, chain and tree, or two heads,
-share the AR baseline of one run. Prints and appends one JSON line per spec
+positional spec is NAME[:k=K][:nodes=M][:width=W][:shape=S][:conf=C]
+[:layers=L][:head=P] (conf is min_confidence, nodes and width the tree's
+size and branching, shape a static tree as in --tree-shape, head a head
+file), so e.g. fixed and dynamic K, chain, dynamic and static trees, or two
+heads, share the AR baseline of one run. Prints and appends one JSON line per spec
 (the `specjax.bench` contract; `config` records the knobs).
 """
 
@@ -23,7 +24,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 _KEYS = {"k": ("num_draft", int), "conf": ("min_confidence", float),
          "nodes": ("tree_nodes", int), "width": ("tree_width", int),
-         "layers": ("layers", int), "head": ("head", str)}
+         "layers": ("layers", int), "head": ("head", str),
+         "shape": ("tree_shape", str)}
 
 
 def parse_spec(text: str):

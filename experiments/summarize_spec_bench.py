@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import statistics
 import sys
 
@@ -94,9 +95,14 @@ def main(argv=None) -> int:
         per_token.setdefault(r["method"], []).append(
             c["draft"] / (r["num_draft"] * c["target_forward_1"]))
     costs = {m: round(statistics.median(v), 4) for m, v in per_token.items()}
-    with open(args.priors, "w") as f:
+    path = pathlib.Path(args.priors)
+    kept = {}  # what other scripts wrote (tree_rank_acceptance.py's table)
+    if path.is_file():
+      kept = {k: v for k, v in json.loads(path.read_text()).items()
+              if k not in ("source", "priors", "draft_costs")}
+    with open(path, "w") as f:
       json.dump(dict(source=f"specjax bench ({', '.join(args.jsonl)})",
-                     priors=list(priors.values()), draft_costs=costs),
+                     priors=list(priors.values()), draft_costs=costs, **kept),
                 f, indent=1)
     print(f"wrote {len(priors)} priors to {args.priors}", file=sys.stderr)
   return 0

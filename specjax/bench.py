@@ -13,6 +13,9 @@ Definitions (aggregated over all rows):
   acceptance_per_position[i]: fraction of verify steps whose draft i was
     accepted (acceptance is prefix-closed, so this is P(accepted > i)).
   accepted_length_histogram[j]: verify steps that accepted exactly j drafts.
+  acceptance_per_node[m] (trees): fraction of verify steps whose accepted
+    path ran through drafted node m + 1 (a static tree's node m + 1 is the
+    same depth and rank every step).
   wide_verify_fraction: steps whose target forward covered all K + 1 tokens;
     in the others no row had drafted and the newest token was scored alone.
   time_split: the method's wall time attributed to drafting, verifying and
@@ -132,10 +135,15 @@ def acceptance_stats(rows: Sequence[runner.RowResult], k: int) -> dict:
   forwards = sum(r.target_forwards for r in rows)
   emitted = sum(len(r.output_ids) - 1 for r in rows)
   at = np.sum([r.accepted_at for r in rows], axis=0) if k else np.zeros(0)
+  nodes = (np.sum([r.accepted_nodes for r in rows], axis=0) if rows
+           else np.zeros(0))
+  per_node = {} if not np.size(nodes) else dict(acceptance_per_node=[
+      round(float(a) / max(forwards, 1), 4) for a in nodes])
   return dict(
       tau=emitted / max(forwards, 1),
       acceptance_per_position=[round(float(a) / max(forwards, 1), 4)
                                for a in at],
+      **per_node,
       accepted_length_histogram=runner.accepted_length_histogram(at, forwards),
       drafted_per_step=sum(r.num_drafted for r in rows) / max(forwards, 1),
       target_forwards=forwards)

@@ -7,6 +7,7 @@ to stderr and exits with status 2 (``UsageError``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -108,6 +109,11 @@ def _add_model_args(p, several: bool = False):
   p.add_argument("--tree-width", type=int, default=4,
                  help="trees: n-gram matches merged, or EAGLE's top-k per "
                  "node")
+  p.add_argument("--tree-shape", default="",
+                 help="eagle, eagle3: a static tree instead of a dynamic "
+                 "one, as children per depth (2x2x1) or rank paths "
+                 "(0,1,0.0; `specjax tune` proposes one); sets --tree-nodes "
+                 "and --num-draft")
   p.add_argument("--layers", type=int, default=None,
                  help="layer-skip: target layers the drafter runs "
                  "(default 80%% of them)")
@@ -146,11 +152,14 @@ def _method_specs(args) -> list:
     if not 0.0 <= args.min_confidence < 1.0:
       raise UsageError(f"--min-confidence must be in [0, 1), got "
                        f"{args.min_confidence}")
-    specs.append(MethodSpec(name=name, num_draft=args.num_draft,
-                            tree_nodes=args.tree_nodes,
-                            tree_width=args.tree_width, layers=args.layers,
-                            min_confidence=args.min_confidence,
-                            draft_model=args.draft_model, head=args.head))
+    try:
+      specs.append(MethodSpec(
+          name=name, num_draft=args.num_draft, tree_nodes=args.tree_nodes,
+          tree_width=args.tree_width, tree_shape=args.tree_shape,
+          layers=args.layers, min_confidence=args.min_confidence,
+          draft_model=args.draft_model, head=args.head))
+    except ValueError as e:
+      raise UsageError(str(e)) from None
   return specs
 
 
@@ -274,8 +283,9 @@ def cmd_generate(args) -> int:
             tokens_per_s=round(res.new_tokens / res.wall_s, 3),
             batch_size=len(chunk), method=args.method, model=args.model,
             num_draft=spec.k, tree_nodes=spec.tree_nodes,
+            tree_shape=spec.tree_shape,
             target_forwards=row.target_forwards, tau=round(row.tau, 3),
-            accepted_at=row.accepted_at,
+            accepted_at=row.accepted_at, accepted_nodes=row.accepted_nodes,
             accepted_length_histogram=row.accepted_length_histogram,
             temperature=args.temperature, top_k=args.top_k,
             top_p=args.top_p, seed=args.seed), ensure_ascii=False))
@@ -347,8 +357,11 @@ def cmd_tune(args) -> int:
   model = _load(args.model)
   costs = tuner.measure_costs(model, workload.batch_size)
   rec = tuner.recommend(workload, costs)
+  tree = tuner.recommend_tree(workload, costs)
   if args.json:
-    print(json.dumps(rec.as_dict()))
+    out = rec.as_dict()
+    out["tree"] = tree and dataclasses.asdict(tree)
+    print(json.dumps(out))
     return 0
   label = "ar" if rec.method == "ar" else f"{rec.method} --num-draft " \
       f"{rec.num_draft}"
@@ -357,6 +370,11 @@ def cmd_tune(args) -> int:
         f"{rec.ar_ms_per_token:.1f})")
   for line in rec.reasoning:
     print(f"  - {line}")
+  if tree:
+    print(f"static tree: --method {tree.method} --tree-shape {tree.shape}  "
+          f"({tree.num_nodes} nodes, depth {tree.depth}: "
+          f"{tree.expected_tokens:.2f} tokens/verify, {tree.speedup:.2f}x "
+          f"predicted; {tree.source})")
   return 0
 
 

@@ -104,6 +104,9 @@ class DecodeState:
       running (after the prefill).
     num_drafted: ``int32[B]`` drafts proposed to the row.
     accepted_at: ``int32[B, K]`` how often draft position i was accepted.
+    accepted_nodes: ``int32[B, N]`` tree steps: how often drafted node
+      m + 1 was on the accepted path (N = ``tree_nodes``; none for chains).
+      For a static tree a node is always the same (depth, rank).
   """
   tokens: jax.Array
   num_tokens: jax.Array
@@ -118,6 +121,7 @@ class DecodeState:
   num_forwards: jax.Array
   num_drafted: jax.Array
   accepted_at: jax.Array
+  accepted_nodes: jax.Array
 
   @property
   def done(self) -> jax.Array:
@@ -219,7 +223,8 @@ def prefill(params: llama.LlamaParams, prompt_BT: jax.Array,
       drafter_state=drafter_state, key=key,
       num_steps=jnp.zeros((), jnp.int32), num_wide=jnp.zeros((), jnp.int32),
       num_forwards=zeros_B,
-      num_drafted=zeros_B, accepted_at=jnp.zeros((B, dcfg.k), jnp.int32))
+      num_drafted=zeros_B, accepted_at=jnp.zeros((B, dcfg.k), jnp.int32),
+      accepted_nodes=jnp.zeros((B, dcfg.tree_nodes), jnp.int32))
   return _update_stops(state, _is_eos(first_B, dcfg), dcfg)
 
 
@@ -282,11 +287,20 @@ def _emit(state: DecodeState, tokens_BT: jax.Array, num_emitted_B: jax.Array,
 
 def _tally(state: DecodeState, cache: KVCache, live_B: jax.Array,
            wide: jax.Array, num_draft_B: jax.Array,
-           num_accepted_B: jax.Array, K: int) -> DecodeState:
+           num_accepted_B: jax.Array, K: int,
+           path_BK1: Optional[jax.Array] = None) -> DecodeState:
   """The target cache rolled back to each live row's committed tokens (by
-  lengths), and the step's statistics."""
+  lengths), and the step's statistics (``path``: a tree step's accepted
+  nodes by depth, ``verify_tree``'s)."""
   acc_BK = ((jnp.arange(K)[None, :] < num_accepted_B[:, None])
             & live_B[:, None])
+  if path_BK1 is not None:  # drafted nodes on the accepted path
+    on_BK1M = (jax.nn.one_hot(path_BK1, state.accepted_nodes.shape[1] + 1,
+                              dtype=jnp.int32)
+               * (jnp.arange(K + 1)[None, :] <= num_accepted_B[:, None])[
+                   ..., None])
+    state = state.replace(accepted_nodes=state.accepted_nodes + jnp.where(
+        live_B[:, None], jnp.max(on_BK1M, axis=1)[:, 1:], 0))
   return state.replace(
       cache=cache.with_lengths(jnp.where(live_B, state.num_tokens - 1,
                                          state.cache.lengths)),
@@ -377,7 +391,7 @@ def _tree_step(params, state: DecodeState, model_cfg: ModelConfig,
   state = state.replace(tokens=tokens, num_tokens=num_tokens,
                         drafter_state=drafter_state, key=key)
   state = _tally(state, compact_path(out.cache, base_B, res.path), live_B,
-                 wide, tree.num_drafted, res.num_accepted, dcfg.k)
+                 wide, tree.num_drafted, res.num_accepted, dcfg.k, res.path)
   return _update_stops(state, hit_eos_B, dcfg)
 
 

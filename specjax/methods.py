@@ -41,6 +41,8 @@ class MethodSpec:
       "eagle3").
     tree_width: a tree's branching: n-gram matches merged into the trie,
       or EAGLE's top-k per expanded node and nodes expanded per level.
+    tree_shape: EAGLE heads: a static tree instead (``tree.parse_shape``:
+      ``"2x2x1"`` or rank paths); it sets ``tree_nodes`` and ``num_draft``.
   """
   name: str = "ar"
   num_draft: int = 4
@@ -51,6 +53,17 @@ class MethodSpec:
   head: Optional[str] = None
   tree_nodes: int = 0
   tree_width: int = 4
+  tree_shape: str = ""
+
+  def __post_init__(self):
+    if self.tree_shape:  # the shape fixes the node count and the depth
+      from specjax import tree
+      try:
+        shape = tree.Shape(tree.parse_shape(self.tree_shape))
+      except ValueError as e:
+        raise MethodError(str(e)) from None
+      object.__setattr__(self, "tree_nodes", shape.num_nodes)
+      object.__setattr__(self, "num_draft", shape.max_depth)
 
   @property
   def k(self) -> int:
@@ -59,7 +72,8 @@ class MethodSpec:
   def label(self) -> str:
     if self.name == "ar":
       return self.name
-    tree = f", tree {self.tree_nodes}" if self.tree_nodes else ""
+    tree = (f", tree {self.tree_shape}" if self.tree_shape else
+            f", tree {self.tree_nodes}" if self.tree_nodes else "")
     return f"{self.name}(K={self.k}{tree})"
 
 
@@ -75,6 +89,9 @@ def build(model: Model, spec: MethodSpec) -> tuple[Any, Any]:
   if spec.tree_width < 1:
     raise MethodError(f"--tree-width must be >= 1, got {spec.tree_width}")
   built = _build(model, spec)
+  if spec.tree_shape and spec.name not in ("eagle", "eagle3"):
+    raise MethodError(f"--tree-shape is for EAGLE heads (eagle, eagle3), "
+                      f"not {spec.name}")
   if spec.tree_nodes and spec.name != "ar":
     from specjax.drafters.base import TreeDrafter
     if not isinstance(built[0], TreeDrafter):
@@ -176,4 +193,9 @@ def _eagle(model: "Model", spec: MethodSpec):
   if spec.tree_width > cfg.draft_vocab:
     raise MethodError(f"--tree-width {spec.tree_width} exceeds the head's "
                       f"draft vocabulary ({cfg.draft_vocab})")
-  return EagleDrafter(cfg, spec.min_confidence, spec.tree_width), params
+  shape = ()
+  if spec.tree_shape:
+    from specjax.tree import parse_shape
+    shape = tuple(int(p) for p in parse_shape(spec.tree_shape))
+  return EagleDrafter(cfg, spec.min_confidence, spec.tree_width,
+                      shape), params

@@ -25,7 +25,8 @@ class RowResult:
   """One prompt's generation (new tokens only, EOS included if it stopped there).
 
   ``target_forwards`` counts verify steps after the prefill; ``accepted_at[i]``
-  how often draft position i was accepted (empty for AR).
+  how often draft position i was accepted (empty for AR); ``accepted_nodes[m]``
+  how often tree node m + 1 was (empty for chains).
   """
   prompt_ids: list[int]
   output_ids: list[int]
@@ -33,6 +34,7 @@ class RowResult:
   target_forwards: int = 0
   num_drafted: int = 0
   accepted_at: list[int] = dataclasses.field(default_factory=list)
+  accepted_nodes: list[int] = dataclasses.field(default_factory=list)
 
   @property
   def tau(self) -> float:
@@ -106,16 +108,18 @@ def generate_ids(model: Model, prompts: Sequence[Sequence[int]], *,
   compile_s = time.perf_counter() - start
   start = time.perf_counter()
   state = run(*args, drafter_params=drafter_params)
-  tokens, num, reasons, steps, wide, fwd, drafted, acc = jax.device_get(
-      (state.tokens, state.num_tokens, state.stop_reason, state.num_steps,
-       state.num_wide, state.num_forwards, state.num_drafted,
-       state.accepted_at))
+  tokens, num, reasons, steps, wide, fwd, drafted, acc, nodes = (
+      jax.device_get((state.tokens, state.num_tokens, state.stop_reason,
+                      state.num_steps, state.num_wide, state.num_forwards,
+                      state.num_drafted, state.accepted_at,
+                      state.accepted_nodes)))
   wall = time.perf_counter() - start
   rows = [RowResult(prompt_ids=list(map(int, p)),
                     output_ids=tokens[b, lengths_B[b]:num[b]].tolist(),
                     stop_reason=engine.STOP_NAMES[int(reasons[b])],
                     target_forwards=int(fwd[b]), num_drafted=int(drafted[b]),
-                    accepted_at=acc[b].tolist())
+                    accepted_at=acc[b].tolist(),
+                    accepted_nodes=nodes[b].tolist())
           for b, p in enumerate(prompts)]
   return BatchResult(rows=rows, wall_s=wall, compile_s=compile_s,
                      num_steps=int(steps), num_wide_steps=int(wide))

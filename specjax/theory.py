@@ -64,3 +64,103 @@ def optimal_k(alpha: float, c: float, k_max: int = 64,
   t = time_per_token(alpha, best, c, verify_cost)
   return Optimum(k=best, expected_tokens=expected_tokens(alpha, best),
                  time_per_token=t, speedup=1.0 / t)
+
+
+# Trees. A static tree's node at depth d that is its parent's r-th child
+# holds the drafter's r-th best token there. With p[d - 1][r] the chance
+# that the target's next token at depth d is the drafter's rank-r token,
+# given the path to depth d - 1 was accepted (ranks are distinct tokens, so
+# these are disjoint events; Sequoia's positional acceptance, here per
+# depth), a node is accepted with the product of p along its path, and
+#
+#   E[tokens per verify] = 1 + sum over nodes of prod_{edges} p[depth][rank].
+#
+# ``best_tree`` maximises that for a node budget by dynamic programming over
+# (depth, next rank, nodes left), as Sequoia sizes its trees.
+
+RankPath = tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class TreePlan:
+  """A static tree: its nodes as rank paths (parents first) and E[tokens]."""
+  paths: tuple[RankPath, ...]
+  expected_tokens: float
+
+  @property
+  def num_nodes(self) -> int:
+    return len(self.paths)
+
+  @property
+  def depth(self) -> int:
+    return max((len(q) for q in self.paths), default=0)
+
+  def spec(self) -> str:
+    """The ``--tree-shape`` text (``tree.parse_shape``'s rank paths)."""
+    return ",".join(".".join(map(str, q)) for q in self.paths)
+
+
+def tree_expected_tokens(paths, p_DR) -> float:
+  """E[tokens per verify] of the tree of rank ``paths`` under ``p_DR``."""
+  total = 1.0
+  for q in paths:
+    prob = 1.0
+    for d, r in enumerate(q):
+      prob *= p_DR[d][r] if d < len(p_DR) and r < len(p_DR[d]) else 0.0
+    total += prob
+  return total
+
+
+def best_tree(p_DR, num_nodes: int, max_depth: Optional[int] = None
+              ) -> TreePlan:
+  """The tree of at most ``num_nodes`` drafted nodes, none deeper than
+  ``max_depth`` (default ``len(p_DR)``), with the most expected tokens per
+  verify. ``p_DR[d][r]``: acceptance of the rank-r token at depth d + 1
+  (should fall with r; a node's children then take ranks 0, 1, ...)."""
+  return best_trees(p_DR, num_nodes, max_depth)[-1]
+
+
+def best_trees(p_DR, max_nodes: int, max_depth: Optional[int] = None
+               ) -> list[TreePlan]:
+  """``best_tree`` for every budget 0..``max_nodes``, from one dynamic
+  program: ``F[d][n]``, the most expected accepted nodes below an accepted
+  node at depth d using at most n nodes; ``G(d, r, n)``, the same with only
+  child ranks >= r left, which either stops or gives rank r a subtree of
+  m >= 1 nodes: ``p[d][r] (1 + F[d + 1][m - 1]) + G(d, r + 1, n - m)``."""
+  D = len(p_DR) if max_depth is None else min(max_depth, len(p_DR))
+  N = max_nodes
+  if N < 0 or D < 0:
+    raise ValueError(f"need num_nodes >= 0 and depth >= 0, got {N}, {D}")
+  R = [min(len(p_DR[d]), N) for d in range(D)]
+  F = [[0.0] * (N + 1) for _ in range(D + 1)]
+  # choice[d][r][n] = nodes given to rank r's subtree (0: stop).
+  choice = [[[0] * (N + 1) for _ in range(R[d] + 1)] for d in range(D)]
+  for d in range(D - 1, -1, -1):
+    G = [[0.0] * (N + 1) for _ in range(R[d] + 1)]
+    for r in range(R[d] - 1, -1, -1):
+      for n in range(1, N + 1):
+        best, pick = 0.0, 0
+        for m in range(1, n + 1):
+          v = p_DR[d][r] * (1.0 + F[d + 1][m - 1]) + G[r + 1][n - m]
+          if v > best + 1e-12:
+            best, pick = v, m
+        G[r][n], choice[d][r][n] = best, pick
+    F[d] = G[0]
+
+  def build(prefix: RankPath, d: int, n: int, out: list):
+    for r in range(R[d] if d < D else 0):
+      m = choice[d][r][n]
+      if not m:
+        return
+      out.append(prefix + (r,))
+      build(prefix + (r,), d + 1, m - 1, out)
+      n -= m
+
+  plans = []
+  for n in range(N + 1):
+    paths: list[RankPath] = []
+    build((), 0, n, paths)
+    paths.sort(key=lambda q: (len(q), q))
+    plans.append(TreePlan(paths=tuple(paths),
+                          expected_tokens=1.0 + (F[0][n] if D else 0.0)))
+  return plans

@@ -32,6 +32,8 @@ path of greedy tokens: the output equals greedy decoding token for token.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -104,6 +106,106 @@ def static_parents(branching: tuple[int, ...]) -> np.ndarray:
         parents.append(p)
     level = nxt
   return np.asarray(parents, np.int32)
+
+
+def paths_parents(paths) -> np.ndarray:
+  """Parents of the tree of rank paths (Medusa's "choices"): path ``(0, 2)``
+  is the root's best child's third-best child. Every prefix of a path must
+  be a path too, and a node's children must be ranks 0..c-1. Nodes breadth
+  first, siblings by rank, so child i of a node is its i-th best token."""
+  paths = sorted({tuple(int(r) for r in q) for q in paths},
+                 key=lambda q: (len(q), q))
+  index = {(): 0}
+  parents = [0]
+  for q in paths:
+    if q[:-1] not in index:
+      raise ValueError(f"tree path {q} lacks its parent path {q[:-1]}")
+    if q[-1] > 0 and q[:-1] + (q[-1] - 1,) not in index:
+      raise ValueError(f"tree path {q} skips rank {q[-1] - 1}")
+    index[q] = len(parents)
+    parents.append(index[q[:-1]])
+  return np.asarray(parents, np.int32)
+
+
+def parse_shape(text: str) -> np.ndarray:
+  """Parents of a static tree written as a branching spec (``"2x2x1"``:
+  children per node at each depth; ``"4"``: four under the root) or as rank
+  paths (``"0,1,0.0,0.1"``: comma-separated, ranks joined by dots;
+  ``format_paths`` writes these; ``"0"`` is the one-node tree)."""
+  text = text.strip()
+  try:
+    if re.fullmatch(r"[1-9]\d*(x\d+)*", text):
+      branching = tuple(int(w) for w in text.split("x"))
+      if min(branching) < 1:
+        raise ValueError
+      return static_parents(branching)
+    return paths_parents(tuple(int(r) for r in q.split(".")) for q in
+                         text.split(","))
+  except ValueError as e:
+    raise ValueError(f"bad tree shape {text!r}: want a branching spec like "
+                     f"2x2x1 or rank paths like 0,1,0.0{f' ({e})' if str(e) else ''}"
+                     ) from None
+
+
+def format_paths(parents) -> str:
+  """``parse_shape``'s rank-path form of a static tree."""
+  shape = Shape(parents)
+  ranks, path = shape.ranks(), {0: ()}
+  for m in range(1, len(shape.parents)):
+    path[m] = path[shape.parents[m]] + (ranks[m],)
+  return ",".join(".".join(map(str, path[m]))
+                  for m in range(1, len(shape.parents)))
+
+
+class Shape:
+  """A static tree's shape (host-side; node 0 the root, parents first,
+  siblings in rank order: child i is the i-th best token after its parent).
+  """
+
+  def __init__(self, parents):
+    self.parents = tuple(int(p) for p in parents)
+    if not self.parents or self.parents[0] != 0 or any(
+        not 0 <= p < m for m, p in enumerate(self.parents) if m):
+      raise ValueError(f"tree shape {self.parents}: need parents[0] = 0 and "
+                       "0 <= parents[m] < m")
+    self.children = [[] for _ in self.parents]
+    self.depths = [0] * len(self.parents)
+    for m, p in enumerate(self.parents[1:], 1):
+      self.children[p].append(m)
+      self.depths[m] = self.depths[p] + 1
+    # Non-root nodes the head expands (they have children), in node order.
+    self.expanded = [m for m in range(1, len(self.parents))
+                     if self.children[m]]
+
+  @property
+  def num_nodes(self) -> int:
+    """Drafted nodes (the root excluded)."""
+    return len(self.parents) - 1
+
+  @property
+  def max_depth(self) -> int:
+    return max(self.depths)
+
+  def ranks(self) -> list[int]:
+    """Each node's rank among its siblings (the root: 0)."""
+    out = [0] * len(self.parents)
+    for kids in self.children:
+      for r, m in enumerate(kids):
+        out[m] = r
+    return out
+
+  def scratch_visibility(self) -> np.ndarray:
+    """``bool[M, E]``: expanded node e (``expanded[e]``) is node m or one of
+    its ancestors: the head's scratch entries node m's pair attends to."""
+    pos = {m: e for e, m in enumerate(self.expanded)}
+    vis = np.zeros((len(self.parents), len(self.expanded)), bool)
+    for m in range(1, len(self.parents)):
+      a = m
+      while a:
+        if a in pos:
+          vis[m, pos[a]] = True
+        a = self.parents[a]
+    return vis
 
 
 def trie(root_B: jax.Array, paths_BPK: jax.Array, lengths_BP: jax.Array,

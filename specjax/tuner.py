@@ -17,6 +17,13 @@ the rest a one-token forward that emits one token. Tasks that were not
 measured borrow the nearest measured one and say so in the reasoning. When no
 method beats AR by 5%, AR is the recommendation: speculation only pays where
 α survives the workload.
+
+Trees (``recommend_tree``): for a head whose per-depth, per-rank acceptance
+was measured (``TREE_PRIORS``, from experiments/tree_rank_acceptance.py),
+``theory.best_tree`` gives the best static tree of every node budget and
+depth, and the tuner keeps the one with the lowest time per token under the
+measured verify curve, now timed out to ``TREE_WIDTHS`` tokens, and a draft
+cost of one head call per level (Sequoia's sizing on this machine).
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ if TYPE_CHECKING:
 TASKS = ("chat", "code", "summarize", "creative")
 K_MAX = 8
 MIN_GAIN = 1.05
+TREE_WIDTHS = (12, 16, 24, 33)  # verify widths timed past K_MAX + 1 for trees
 
 def _load_priors():
   """From ``specjax bench`` runs (experiments/summarize_spec_bench.py writes
@@ -47,7 +55,7 @@ def _load_priors():
   and per method, a drafted token's cost in one-token target forwards."""
   path = pathlib.Path(__file__).with_name("tuner_priors.json")
   if not path.is_file():
-    return {}, {}, {}
+    return {}, {}, {}, {}
   data = json.loads(path.read_text())
   alpha: dict = {}
   rate: dict = {}
@@ -56,10 +64,14 @@ def _load_priors():
     alpha.setdefault(key, {})[t] = float(p["alpha"])
     rate.setdefault(key, {})[t] = float(p.get("draft_rate", 1.0))
   costs = {m: float(c) for m, c in data.get("draft_costs", {}).items()}
-  return alpha, rate, costs
+  trees: dict = {}
+  for t in data.get("tree_acceptance", []):
+    trees.setdefault((t["method"], t["task"]), {})[float(t["temperature"])] = (
+        t["p"])
+  return alpha, rate, costs, trees
 
 
-PRIORS, DRAFT_RATE, DRAFT_COST = _load_priors()
+PRIORS, DRAFT_RATE, DRAFT_COST, TREE_PRIORS = _load_priors()
 
 # Unmeasured tasks borrow a measured one; why, in words for the reasoning.
 BORROW = {
@@ -101,10 +113,25 @@ class CostCurve:
       t = 1..K_MAX + 1 (index 0 unused).
     rest: the rest of an AR step (sampling, bookkeeping, loop).
     num_layers: L, for layer-skip draft costs.
+    wide: ``(t, seconds)`` forwards over more tokens (``TREE_WIDTHS``).
   """
   forward: tuple[float, ...]
   rest: float
   num_layers: int
+  wide: tuple[tuple[int, float], ...] = ()
+
+  def forward_at(self, t: int) -> float:
+    """A forward over t tokens: measured, or linear between the measured
+    widths (and along the last segment past them)."""
+    points = [(i, f) for i, f in enumerate(self.forward) if i] + list(
+        self.wide)
+    if t < len(self.forward):
+      return self.forward[t]
+    xs, ys = zip(*points)
+    if t >= xs[-1]:
+      slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+      return ys[-1] + slope * (t - xs[-1])
+    return float(np.interp(t, xs, ys))
 
   @property
   def ar_step(self) -> float:
@@ -171,8 +198,9 @@ def measure_costs(model: "Model", batch_size: int, progress: bool = True,
       np.full((B,), context - 1, np.int32), jax.random.key(0),
       np.int32(1 << 20), model_cfg=cfg, dcfg=dcfg)
   step = jax.jit(lambda p, s: engine.step(p, s, model_cfg=cfg, dcfg=dcfg))
+  widths = list(range(1, K_MAX + 2)) + list(TREE_WIDTHS)
   calls = [lambda t=t: fwd(model.params, np.ones((B, t), np.int32), cache)
-           for t in range(1, K_MAX + 2)]
+           for t in widths]
   calls.append(lambda: step(model.params, state))
   times = [[] for _ in calls]
   for call in tqdm(calls, desc="compiling", disable=not progress):
@@ -184,9 +212,11 @@ def measure_costs(model: "Model", batch_size: int, progress: bool = True,
       jax.block_until_ready(call())
       times[i].append(time.perf_counter() - start)
   med = [float(np.median(t)) for t in times]
-  forward, ar_step = [0.0] + med[:-1], med[-1]
+  n = K_MAX + 1
+  forward, ar_step = [0.0] + med[:n], med[-1]
   return CostCurve(forward=tuple(forward), rest=max(ar_step - forward[1], 0.0),
-                   num_layers=cfg.num_layers)
+                   num_layers=cfg.num_layers,
+                   wide=tuple(zip(TREE_WIDTHS, med[n:-1])))
 
 
 def _measured_task(method: str, task: str) -> tuple[str, str]:
@@ -277,3 +307,49 @@ def recommend(workload: Workload, costs: CostCurve, methods=None,
                         ms_per_token=ms, ar_ms_per_token=ar_ms,
                         meets_latency_target=meets, reasoning=reasoning,
                         options=options)
+
+
+@dataclasses.dataclass
+class TreeOption:
+  """A static tree for ``--tree-shape`` and what it is predicted to give."""
+  method: str
+  shape: str  # theory.TreePlan.spec(): rank paths
+  num_nodes: int
+  depth: int
+  expected_tokens: float
+  ms_per_token: float
+  speedup: float
+  source: str
+
+
+def tree_acceptance_for(method: str, task: str, temperature: float):
+  """``p[d][r]`` for the workload (the nearest measured temperature) and
+  where it came from, or ``(None, why)``."""
+  source, note = _measured_task(method, task)
+  by_t = TREE_PRIORS.get((method, source))
+  if not by_t:
+    return None, "no per-rank acceptance measured"
+  t = min(by_t, key=lambda x: (abs(x - temperature), x))
+  return by_t[t], f"per-rank acceptance measured on {source} at T={t:g}{note}"
+
+
+def recommend_tree(workload: Workload, costs: CostCurve, method: str = "eagle3",
+                   max_nodes: int = 32) -> Optional[TreeOption]:
+  """The static tree with the lowest predicted time per token: for every
+  depth D and node budget N, ``theory.best_tree``'s tree, costed as D head
+  calls (one per level) plus a verify forward over its nodes + 1."""
+  p, source = tree_acceptance_for(method, workload.task, workload.temperature)
+  if p is None:
+    return None
+  best = None
+  for depth in range(1, len(p) + 1):
+    for plan in theory.best_trees(p, max_nodes, depth)[1:]:
+      step_s = (costs.rest + costs.draft(method, plan.depth, 0)
+                + costs.forward_at(plan.num_nodes + 1))
+      speedup = costs.ar_step * plan.expected_tokens / step_s
+      if best is None or speedup > best.speedup + 1e-9:
+        best = TreeOption(method, plan.spec(), plan.num_nodes, plan.depth,
+                          plan.expected_tokens,
+                          step_s / plan.expected_tokens * 1e3, speedup,
+                          source)
+  return best

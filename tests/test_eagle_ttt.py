@@ -163,8 +163,8 @@ def test_eagle_chain_drafting_greedy_identity(tmp_path, variant):
   over-fitted head then gets most drafts accepted (training and drafting
   pair features, tokens and positions the same way). (1) and (4) hold for
   EAGLE-2 dynamic trees too (width 3 cut to 7 nodes; width 2, all 10
-  candidates): the tree's head blocks, ancestor masks and the features
-  gathered along the accepted path."""
+  candidates) and for the static tree 2x2x1: the tree's head blocks,
+  ancestor masks and the features gathered along the accepted path."""
   from specjax import bucketing, engine
   from specjax.drafters.eagle import EagleDrafter, EagleParams
   from specjax.training.train import init_head
@@ -203,6 +203,10 @@ def test_eagle_chain_drafting_greedy_identity(tmp_path, variant):
       capacity=64, drafter=EagleDrafter(hcfg, tree_width=width), num_draft=k,
       tree_nodes=nodes)
   assert run(tree_cfg(3, 7), dparams)[0] == ar
+  static_cfg = engine.DecodeConfig(
+      capacity=64, drafter=EagleDrafter(hcfg, tree_shape=SHAPE_2X2X1),
+      num_draft=k, tree_nodes=len(SHAPE_2X2X1) - 1)
+  assert run(static_cfg, dparams)[0] == ar
 
   # Overfit the head on the target's own greedy continuations: if training
   # and drafting paired features, tokens and positions differently, drafts
@@ -250,10 +254,91 @@ def test_eagle_chain_drafting_greedy_identity(tmp_path, variant):
   assert trained == ar
   acc = np.asarray(st.accepted_at).sum(0) / np.asarray(st.num_forwards).sum()
   assert acc[0] > 0.8 and acc[k - 1] > 0.5, acc
-  tree, st = run(tree_cfg(2, 12), dparams.replace(head=head))
-  assert tree == ar
-  acc = np.asarray(st.accepted_at).sum(0) / np.asarray(st.num_forwards).sum()
-  assert acc[0] > 0.8 and acc[k - 1] > 0.5, acc
+  for dcfg in (tree_cfg(2, 12), static_cfg):
+    tree, st = run(dcfg, dparams.replace(head=head))
+    assert tree == ar
+    acc = (np.asarray(st.accepted_at).sum(0)
+           / np.asarray(st.num_forwards).sum())
+    assert acc[0] > 0.8 and acc[k - 1] > 0.5, acc
+
+
+SHAPE_2X2X1 = (0, 0, 0, 1, 1, 2, 2, 3, 4, 5, 6)  # tree.parse_shape("2x2x1")
+
+
+@pytest.mark.parametrize("variant", ["eagle3", "eagle1"])
+def test_static_trees_match_dynamic_and_chain_drafts(tmp_path, variant):
+  """Invariants, on a tiny target with an untrained head after a ragged
+  prefill: the static tree 2x2 is the dynamic tree of width 2 keeping all 6
+  candidates, node for node (same tokens and parents: the root's two best,
+  then each one's two best); the static spine 1x1x1 drafts the greedy
+  chain's 3 tokens, and a 4-deep spine writes the head entries a chain
+  writes (positions, scratch slots and visibility of static levels agree
+  with the chain's); a shape deeper than K is refused."""
+  from specjax import bucketing, engine, tree
+  from specjax.drafters.eagle import EagleDrafter, EagleParams
+  from specjax.heads.eagle import HeadConfig as HC
+  from specjax.models.hf_loader import load_hf
+  from specjax.sampling import SamplingParams
+  from specjax.training.train import init_head
+  from tests.tiny_hf import make_tiny
+  assert tuple(tree.parse_shape("2x2x1")) == SHAPE_2X2X1
+  make_tiny("llama_gqa_tied", tmp_path, seed=3)
+  tcfg, tparams = load_hf(tmp_path)
+  hcfg = HC.for_target(tcfg, 37, variant=variant,
+                       taps=(0, 1, 2) if variant == "eagle3" else (3,))
+  vocab = build_draft_vocab([np.arange(37)], 37, 37)
+  dparams = EagleParams(head=init_head(jax.random.key(1), hcfg, tparams,
+                                       vocab),
+                        draft_ids=jnp.asarray(vocab.ids), embed=tparams.embed)
+  prompt_BT, lengths = bucketing.pad_prompts([[5, 6, 7, 8, 5], [9, 1]])
+
+  def propose(drafter, k, nodes):
+    dcfg = engine.DecodeConfig(capacity=64, drafter=drafter, num_draft=k,
+                               tree_nodes=nodes)
+    st = engine.prefill(tparams, prompt_BT, lengths, jax.random.key(0), 8,
+                        model_cfg=tcfg, dcfg=dcfg, drafter_params=dparams)
+    args = (dparams, st.drafter_state, st.tokens, st.num_tokens,
+            jax.random.key(1), k)
+    if nodes:
+      return drafter.propose_tree(*args, nodes, SamplingParams())
+    return drafter.propose(*args, SamplingParams())
+
+  static = propose(EagleDrafter(hcfg, tree_shape=tuple(tree.parse_shape(
+      "2x2"))), 2, 6).tree
+  dynamic = propose(EagleDrafter(hcfg, tree_width=2), 2, 6).tree
+  np.testing.assert_array_equal(static.tokens, dynamic.tokens)
+  np.testing.assert_array_equal(static.parents, dynamic.parents)
+  assert bool(jnp.all(dynamic.valid))
+  spine = propose(EagleDrafter(hcfg, tree_shape=(0, 0, 1, 2)), 3, 3)
+  chain = propose(EagleDrafter(hcfg), 3, 0)
+  np.testing.assert_array_equal(spine.tree.tokens[:, 1:], chain.tokens)
+  # A 4-deep spine's head entries (scratch slots stable .. stable + 2, one
+  # per static level) equal feeding its first three drafts to the head one
+  # at a time, as the chain does: keys carry the positions, values the
+  # features fed along, which depend on what each node saw.
+  drafter = EagleDrafter(hcfg, tree_shape=(0, 0, 1, 2, 3))
+  dcfg = engine.DecodeConfig(capacity=64, drafter=drafter, num_draft=4,
+                             tree_nodes=4)
+  st = engine.prefill(tparams, prompt_BT, lengths, jax.random.key(0), 8,
+                      model_cfg=tcfg, dcfg=dcfg, drafter_params=dparams)
+  state, stable, a = drafter._start(dparams, st.drafter_state, st.tokens,
+                                    st.num_tokens, 4)
+  root = st.tokens[jnp.arange(2), st.num_tokens - 1]
+  spine_tree, static_state = drafter._expand_static(
+      dparams, state, stable, a, root, tree.Shape(drafter.tree_shape))
+  seq, feat = state.with_lengths(stable), a
+  for d in (1, 2, 3):
+    out, seq = drafter._run(dparams, seq, spine_tree.tokens[:, d:d + 1],
+                            feat[:, None])
+    seq, feat = seq.with_lengths(seq.lengths + 1), out[:, 0]
+  for b in range(2):
+    slots = np.arange(int(stable[b]), int(stable[b]) + 3)
+    for name, slot_axis in (("k", -1), ("v", -2)):  # [G, H, S], [G, S, H]
+      got, want = (np.take(np.asarray(getattr(s.cache, name)[0][b]), slots,
+                           axis=slot_axis) for s in (static_state, seq))
+      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  with pytest.raises(ValueError, match="depth 3"):
+    propose(EagleDrafter(hcfg, tree_shape=(0, 0, 1, 2)), 2, 3)
 
 
 @pytest.mark.long

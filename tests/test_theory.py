@@ -58,3 +58,57 @@ def test_monte_carlo_with_real_verifier(alpha):
   emitted = np.asarray(res.num_emitted, np.float64)
   se = emitted.std() / np.sqrt(n)
   assert abs(emitted.mean() - theory.expected_tokens(alpha, k)) < 4 * se
+
+
+def _rank_closed_trees(max_nodes, depth, ranks):
+  """Every tree of rank paths with at most ``max_nodes`` nodes, none deeper
+  than ``depth``, ranks < ``ranks``, each node's children ranks 0..c-1 (by
+  brute force: grow one child at a time from every frontier)."""
+  seen, todo = {()}, [()]
+  while todo:
+    tree = todo.pop()
+    if len(tree) == max_nodes:
+      continue
+    nodes = [()] + list(tree)
+    for parent in nodes:
+      if len(parent) == depth:
+        continue
+      c = sum(1 for q in tree if len(q) == len(parent) + 1 and q[:-1] == parent)
+      if c < ranks:
+        grown = tuple(sorted(tree + (parent + (c,),)))
+        if grown not in seen:
+          seen.add(grown)
+          todo.append(grown)
+  return seen
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_best_tree_is_the_brute_force_optimum(depth):
+  """Invariant: for every budget up to 6 nodes, ``best_tree``'s dynamic
+  program finds the expected tokens of the best of all rank-closed trees
+  (enumerated), and its tree has that value, fits the budget and depth, and
+  lists parents before children. Per-depth rank acceptances differ by depth
+  (the per-depth Sequoia model), one of them not decreasing in rank."""
+  p = [[0.6, 0.2, 0.1], [0.4, 0.3, 0.05], [0.5, 0.1, 0.2]]
+  trees = _rank_closed_trees(6, depth, 3)
+  for n in range(7):
+    want = max(theory.tree_expected_tokens(t, p) for t in trees
+               if len(t) <= n)
+    plan = theory.best_tree(p, n, depth)
+    assert plan.expected_tokens == pytest.approx(want, abs=1e-12)
+    assert theory.tree_expected_tokens(plan.paths, p) == pytest.approx(want)
+    assert plan.num_nodes <= n and plan.depth <= depth
+    assert all(q[:-1] in plan.paths[:i] or len(q) == 1
+               for i, q in enumerate(plan.paths))
+
+
+def test_best_tree_is_a_chain_or_a_star_at_the_extremes():
+  """Invariants: with all acceptance on rank 0 the best tree is the chain;
+  with depth 1 it is the top-N star; a zero budget is the root alone."""
+  chain = theory.best_tree([[0.9, 0.0]] * 4, 4)
+  assert chain.paths == ((0,), (0, 0), (0, 0, 0), (0, 0, 0, 0))
+  assert chain.expected_tokens == pytest.approx(
+      theory.expected_tokens(0.9, 4))
+  star = theory.best_tree([[0.5, 0.3, 0.1, 0.05]], 3)
+  assert star.paths == ((0,), (1,), (2,)) and star.spec() == "0,1,2"
+  assert theory.best_tree([[0.5]], 0).expected_tokens == 1.0

@@ -245,3 +245,33 @@ def test_ancestors_and_depths_equal_a_brute_force_walk():
         want.add(node)
       assert set(np.flatnonzero(anc[b, m])) == want, (b, m)
       assert dep[b, m] == len(want) - 1
+
+
+def test_static_shapes_parse_print_and_describe_themselves():
+  """Invariants: a branching spec is the full tree breadth first; rank
+  paths give parents first with siblings in rank order, and print back
+  unchanged; ``Shape`` derives depths, ranks and which expanded nodes each
+  node's head pair sees (itself and its expanded ancestors); malformed
+  shapes are refused naming the problem."""
+  np.testing.assert_array_equal(trees.parse_shape("2x2"),
+                                trees.static_parents((2, 2)))
+  np.testing.assert_array_equal(trees.parse_shape("3"), [0, 0, 0, 0])
+  np.testing.assert_array_equal(trees.parse_shape("0"), [0, 0])
+  text = "0,1,0.0,0.1,1.0,0.0.0"
+  parents = trees.parse_shape(text)
+  np.testing.assert_array_equal(parents, [0, 0, 0, 1, 1, 2, 3])
+  assert trees.format_paths(parents) == text
+  assert trees.format_paths(trees.parse_shape("1.0,0,1")) == "0,1,1.0"
+  shape = trees.Shape(parents)
+  assert shape.depths == [0, 1, 1, 2, 2, 2, 3] and shape.max_depth == 3
+  assert shape.ranks() == [0, 0, 1, 0, 1, 0, 0]
+  assert shape.expanded == [1, 2, 3] and shape.num_nodes == 6
+  np.testing.assert_array_equal(shape.scratch_visibility(), [
+      [0, 0, 0], [1, 0, 0], [0, 1, 0], [1, 0, 1], [1, 0, 0], [0, 1, 0],
+      [1, 0, 1]])
+  for bad, why in (("0.1", "lacks its parent"), ("0,2", "skips rank 1"),
+                   ("2x0", "bad tree shape"), ("a,b", "bad tree shape")):
+    with pytest.raises(ValueError, match=why):
+      trees.parse_shape(bad)
+  with pytest.raises(ValueError, match="parents"):
+    trees.Shape([0, 0, 2])

@@ -104,3 +104,65 @@ def test_workload_validation():
     tuner.Workload(task="poetry")
   with pytest.raises(ValueError, match="temperature"):
     tuner.Workload(temperature=-1)
+
+
+def _with_wide(curve, per_token):
+  """``curve`` timed out to the tree widths, ``per_token`` s per extra token."""
+  last = curve.forward[-1]
+  return tuner.CostCurve(
+      forward=curve.forward, rest=curve.rest, num_layers=curve.num_layers,
+      wide=tuple((t, last + per_token * (t - tuner.K_MAX - 1))
+                 for t in tuner.TREE_WIDTHS))
+
+
+def test_cost_curve_interpolates_tree_widths():
+  """Invariant: ``forward_at`` is the measured forward where there is one,
+  linear between measured widths, and extends the last segment."""
+  c = _with_wide(FLAT, 0.002)
+  assert c.forward_at(5) == FLAT.forward[5]
+  assert c.forward_at(16) == pytest.approx(FLAT.forward[9] + 0.002 * 7)
+  assert c.forward_at(14) == pytest.approx(FLAT.forward[9] + 0.002 * 5)
+  assert c.forward_at(40) == pytest.approx(FLAT.forward[9] + 0.002 * 31)
+
+
+def test_tree_is_sized_by_the_verify_curve(monkeypatch):
+  """Invariants: with per-rank acceptance measured, ``recommend_tree``
+  returns a static tree whose shape parses to its node count, whose
+  predicted speedup is theory's E over (rest + one head call per level +
+  the verify forward over nodes + 1), and which is larger on a flat verify
+  curve than on a steep one; without a measurement there is none."""
+  from specjax import tree
+  monkeypatch.setattr(tuner, "DRAFT_COST", {"eagle3": 0.05})
+  monkeypatch.setattr(tuner, "TREE_PRIORS", {})
+  assert tuner.recommend_tree(tuner.Workload(), FLAT) is None
+  p = [[0.55, 0.15, 0.08, 0.05]] * 5
+  monkeypatch.setattr(tuner, "TREE_PRIORS", {("eagle3", "chat"): {0.0: p}})
+  flat = _with_wide(FLAT, 0.001)
+  steep = _with_wide(STEEP, 0.030)
+  wide = tuner.recommend_tree(tuner.Workload(), flat)
+  narrow = tuner.recommend_tree(tuner.Workload(), steep)
+  assert wide.num_nodes > narrow.num_nodes >= 1
+  for opt, curve in ((wide, flat), (narrow, steep)):
+    assert len(tree.parse_shape(opt.shape)) == opt.num_nodes + 1
+    paths = [tuple(map(int, q.split("."))) for q in opt.shape.split(",")]
+    e = theory.tree_expected_tokens(paths, p)
+    assert opt.expected_tokens == pytest.approx(e)
+    step = (curve.rest + opt.depth * 0.05 * curve.forward[1]
+            + curve.forward_at(opt.num_nodes + 1))
+    assert opt.speedup == pytest.approx(curve.ar_step * e / step)
+
+
+def test_measure_costs_times_the_tree_widths(tmp_path):
+  """Invariant: the measured curve has every chain width 1..K_MAX + 1 and
+  the tree widths, all positive, on a tiny model."""
+  from specjax.models.hf_loader import load_hf
+  from specjax.models.registry import Model
+  from tests.tiny_hf import make_tiny
+  make_tiny("llama_gqa_tied", tmp_path, seed=1)
+  cfg, params = load_hf(tmp_path)
+  costs = tuner.measure_costs(Model(config=cfg, params=params, tokenizer=None),
+                              1, progress=False, context=40, rounds=1)
+  assert len(costs.forward) == tuner.K_MAX + 2
+  assert [t for t, _ in costs.wide] == list(tuner.TREE_WIDTHS)
+  assert min(costs.forward[1:]) > 0 and min(s for _, s in costs.wide) > 0
+  assert costs.forward_at(tuner.TREE_WIDTHS[-1]) == costs.wide[-1][1]

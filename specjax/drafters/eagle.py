@@ -19,9 +19,13 @@ full vocabulary (zero elsewhere), so verification stays exact.
 children of each of the level's W best nodes by cumulative log-probability
 (one head block of W pairs per level, under an ancestor mask over the
 scratch entries), and finally the ``num_nodes`` best of all candidates
-(``tree.select``). The tree is the head's top-k, drawn from nothing, so it
-is fixed before the target scores it and ``tree.verify_tree`` is exact at
-every temperature. ``commit`` then receives the target features gathered
+(``tree.select``). With a ``tree_shape`` (a static tree: a branching spec,
+rank paths, or a Sequoia tree sized by ``theory.best_tree``) the shape is
+fixed instead: every node with children is fed to the head, level by level,
+and its i-th child is the head's i-th best token there (``_expand_static``).
+Either way the tree is the head's top-k, drawn from nothing, so it is fixed
+before the target scores it and ``tree.verify_tree`` is exact at every
+temperature. ``commit`` then receives the target features gathered
 along the accepted path, so the head's state is as after a chain.
 """
 
@@ -81,6 +85,10 @@ class EagleDrafter:
   decode loop's state keeps its shape; ``propose`` checks it is asked for
   that K.
 
+  ``tree_shape`` (``tree.parse_shape`` of a branching spec or of rank
+  paths) makes ``propose_tree`` draft that static tree instead of a dynamic
+  one.
+
   ``min_confidence`` > 0 gives dynamic K: a row's chain ends before the first
   draft whose head distribution (over Vd, before temperature) has its top
   probability below the threshold. The rule reads distributions, never the
@@ -90,6 +98,7 @@ class EagleDrafter:
   cfg: HeadConfig
   min_confidence: float = 0.0
   tree_width: int = 4
+  tree_shape: tuple[int, ...] = ()  # a static tree's parents, root first
 
   @property
   def feature_taps(self) -> tuple[int, ...]:
@@ -192,19 +201,88 @@ class EagleDrafter:
   def propose_tree(self, params: EagleParams, state: EagleState, tokens_BS,
                    num_tokens_B, key, num_draft, num_nodes, sampling
                    ) -> TreeProposal:
-    """An EAGLE-2 dynamic tree (module doc), ``num_draft`` levels deep."""
+    """An EAGLE-2 dynamic tree (module doc), ``num_draft`` levels deep, or
+    the static ``tree_shape``."""
     del key, sampling  # the tree is the head's top-k: no draws
-    if self.tree_width > self.cfg.draft_vocab:
+    if self.tree_shape:
+      shape = trees.Shape(self.tree_shape)
+      if (shape.num_nodes != num_nodes or shape.max_depth > num_draft
+          or max(map(len, shape.children)) > self.cfg.draft_vocab):
+        raise ValueError(f"tree_shape has {shape.num_nodes} nodes, depth "
+                         f"{shape.max_depth}; asked for {num_nodes} nodes, "
+                         f"depth <= {num_draft}, ranks within the draft "
+                         f"vocabulary ({self.cfg.draft_vocab})")
+    elif self.tree_width > self.cfg.draft_vocab:
       raise ValueError(f"tree width {self.tree_width} exceeds the draft "
                        f"vocabulary ({self.cfg.draft_vocab})")
     state, stable_B, a_BD = self._start(params, state, tokens_BS,
                                         num_tokens_B, num_draft)
-    tokens_BC, scores_BC, parents_BC = self._expand(
-        params, state, stable_B, a_BD, num_draft)
     B = tokens_BS.shape[0]
     root_B = tokens_BS[jnp.arange(B), num_tokens_B - 1]
-    tree = trees.select(root_B, tokens_BC, scores_BC, parents_BC, num_nodes)
+    if self.tree_shape:
+      tree, _ = self._expand_static(params, state, stable_B, a_BD, root_B,
+                                    shape)
+    else:
+      tokens_BC, scores_BC, parents_BC = self._expand(
+          params, state, stable_B, a_BD, num_draft)
+      tree = trees.select(root_B, tokens_BC, scores_BC, parents_BC, num_nodes)
     return TreeProposal(tree=tree, state=state.with_lengths(stable_B))
+
+  def _top(self, params, out_BXD, c: int):
+    """The head's ``c`` best tokens after each of X outputs ``[B, X, D]``:
+    their log-probabilities and target ids, ``[B, X, c]`` each."""
+    logp_BXV = jax.nn.log_softmax(self._call(params, "logits", out_BXD))
+    lp_BXC, idx_BXC = jax.lax.top_k(logp_BXV, c)
+    return lp_BXC, params.draft_ids[idx_BXC].astype(jnp.int32)
+
+  def _expand_static(self, params, state: EagleState, stable_B, a_BD,
+                     root_B, shape):
+    """The static tree ``shape``: the root's children are the head's best
+    tokens after the pending pairs (``a``); then, depth by depth, the nodes
+    that have children go through the head as one block (position ``stable
+    + depth - 1``, each in its own scratch slot, seeing the prefix, its
+    ancestors' slots and its own) and child i of a node is the head's i-th
+    best token after it. Returns ``(tree, state)`` (the state with the
+    scratch entries, for tests; drafting drops them)."""
+    B, S = a_BD.shape[0], state.cache.capacity
+    expanded = shape.expanded  # non-root nodes with children, in order
+    scratch_ME = shape.scratch_visibility()  # [M, E] static
+    rel_BS = jnp.arange(S)[None, :] - stable_B[:, None]
+    in_scratch_BS = (rel_BS >= 0) & (rel_BS < len(expanded))
+    tok = {0: root_B}
+    out_of = {0: a_BD}  # the head output after each expanded node
+
+    def add_children(nodes, out_BnD):
+      c = max(len(shape.children[j]) for j in nodes)
+      _, kid_BnC = self._top(params, out_BnD, c)
+      for row, j in enumerate(nodes):
+        for r, child in enumerate(shape.children[j]):
+          tok[child] = kid_BnC[:, row, r]
+
+    add_children([0], a_BD[:, None])
+    for depth in range(1, shape.max_depth):
+      nodes = [j for j in expanded if shape.depths[j] == depth]
+      vis_nE = jnp.asarray(scratch_ME[nodes])
+      vis_BnS = jnp.take(vis_nE, jnp.clip(rel_BS, 0, len(expanded) - 1),
+                         axis=1).transpose(1, 0, 2)
+      seen_BnS = ((rel_BS < 0)[:, None, :]
+                  | (in_scratch_BS[:, None, :] & vis_BnS))
+      slots_Bn = stable_B[:, None] + jnp.asarray(
+          [expanded.index(j) for j in nodes])[None, :]
+      out_BnD, state = self._run(
+          params, state, jnp.stack([tok[j] for j in nodes], 1),
+          jnp.stack([out_of[shape.parents[j]] for j in nodes], 1), slots_Bn,
+          jnp.broadcast_to(stable_B[:, None] + depth - 1, slots_Bn.shape),
+          seen_BnS)
+      for row, j in enumerate(nodes):
+        out_of[j] = out_BnD[:, row]
+      add_children(nodes, out_BnD)
+    M = shape.num_nodes + 1
+    return trees.Tree(
+        tokens=jnp.stack([tok[j] for j in range(M)], 1).astype(jnp.int32),
+        parents=jnp.broadcast_to(jnp.asarray(shape.parents, jnp.int32),
+                                 (B, M)),
+        valid=jnp.ones((B, M), bool)), state
 
   def _expand(self, params, state: EagleState, stable_B, a_BD, num_draft):
     """Candidates of an EAGLE-2 tree, level by level: the W = tree_width
@@ -215,11 +293,7 @@ class EagleDrafter:
     parents)``, each ``[B, C]`` with C = W + (K - 1) W² in level order
     (parents -1 for the root's children)."""
     B, W, S = a_BD.shape[0], self.tree_width, state.cache.capacity
-
-    def top(out_BXD):  # [B, X, D] head outputs -> best W children of each
-      logp_BXV = jax.nn.log_softmax(self._call(params, "logits", out_BXD))
-      lp_BXW, idx_BXW = jax.lax.top_k(logp_BXV, W)
-      return lp_BXW, params.draft_ids[idx_BXW].astype(jnp.int32)
+    top = lambda out_BXD: self._top(params, out_BXD, W)
 
     score_BW, tok_BW = (x[:, 0] for x in top(a_BD[:, None]))
     toks, scores = [tok_BW], [score_BW]
