@@ -26,7 +26,6 @@ def pieces(model, dcfg, dparams, state):
   outputs of the stage before (computed once, untimed)."""
   import jax
   from specjax import engine, tree as trees
-  from specjax.cache import compact_path
   from specjax.sampling import warp
   cfg, sp = model.config, dcfg.sampling
   live_B = ~state.done
@@ -47,8 +46,11 @@ def pieces(model, dcfg, dparams, state):
         t, a, warp(lg, sp), k, sp, dcfg.k))
     res = ver(tree, anc, fo.logits, key)
     out["verify_tree"] = (ver, (tree, anc, fo.logits, key))
-    comp = jax.jit(lambda c, b, p: compact_path(c, b, p))
-    out["compact_path"] = (comp, (fo.cache, state.cache.lengths, res.path))
+    import jax.numpy as jnp
+    write = jax.jit(lambda c, kv, p: c.write(jax.tree.map(
+        lambda a: jnp.take_along_axis(a, p[:, :, None, None], axis=1), kv),
+        c.new_slots(p.shape[1])))
+    out["write_path"] = (write, (state.cache, fo.new_kv, res.path))
   else:
     propose = jax.jit(lambda p, s, k: engine._propose(p, s, dcfg, k))
     prop = propose(dparams, state, key)

@@ -54,6 +54,14 @@ class KVCache:
     return (self.lengths[:, None]
             + jnp.arange(num_new, dtype=jnp.int32)[None, :])
 
+  def write(self, new_kv, slots_BT: jax.Array) -> "KVCache":
+    """Every layer's new ``(k, v)`` (``[B, T, G, H]`` each, as a forward
+    with ``write_cache=False`` returns them) at ``slots_BT``; lengths are
+    left to the caller. In place when the cache is donated."""
+    ks, vs = zip(*(write_kv(kc, vc, k, v, slots_BT) for kc, vc, (k, v)
+                   in zip(self.k, self.v, new_kv)))
+    return self.replace(k=tuple(ks), v=tuple(vs))
+
 
 def write_kv(k_BGHS: jax.Array, v_BGSH: jax.Array, k_BTGH: jax.Array,
              v_BTGH: jax.Array, slots_BT: jax.Array):
@@ -72,23 +80,3 @@ def write_kv(k_BGHS: jax.Array, v_BGSH: jax.Array, k_BTGH: jax.Array,
   v = v_BGSH.at[rows_BT, :, slots_BT].set(v_BTGH.astype(v_BGSH.dtype),
                                           mode="drop")
   return k, v
-
-
-def compact_path(cache: KVCache, base_B: jax.Array,
-                 path_BK1: jax.Array) -> KVCache:
-  """Every layer's entries at slots ``base + path[:, d]`` moved to
-  ``base + d`` (a tree step's accepted path made contiguous after the
-  verify forward wrote node m at ``base + m``). ``path[:, d] >= d``, and all
-  entries are read before any is written; lengths are left to the caller.
-  In place when the cache is donated."""
-  rows_BK1 = jnp.broadcast_to(jnp.arange(path_BK1.shape[0])[:, None],
-                              path_BK1.shape)
-  src_BK1 = jnp.minimum(base_B[:, None] + path_BK1, cache.capacity - 1)
-  dst_BK1 = base_B[:, None] + jnp.arange(path_BK1.shape[1])[None, :]
-  ks, vs = [], []
-  for k_BGHS, v_BGSH in zip(cache.k, cache.v):
-    k, v = write_kv(k_BGHS, v_BGSH, k_BGHS[rows_BK1, :, :, src_BK1],
-                    v_BGSH[rows_BK1, :, src_BK1], dst_BK1)
-    ks.append(k)
-    vs.append(v)
-  return cache.replace(k=tuple(ks), v=tuple(vs))

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax import tree as trees
-from specjax.cache import KVCache, compact_path
+from specjax.cache import KVCache
 from specjax.drafters.base import Drafter, Proposal, TreeDrafter
 from specjax.models import llama
 from specjax.models.config import ModelConfig
@@ -164,21 +164,26 @@ def _features(out: llama.ForwardOutput):
 def _verify_forward(params, model_cfg, block_BT, cache, taps, width: int,
                     positions_BT=None, mask_BTT=None) -> llama.ForwardOutput:
   """The target forward over the first ``width`` tokens of the block (at
-  ``positions``, under ``mask``: a tree's; default a chain's), its logits
-  and taps zero-padded back to the block's width (fixed shapes for
-  ``lax.cond``; verification never reads past a row's drafts)."""
+  ``positions``, under ``mask``: a tree's; default a chain's), leaving the
+  cache untouched: its logits, taps and new entries zero-padded back to the
+  block's width (fixed shapes for ``lax.cond``; verification never reads
+  past a row's drafts). The caller writes the entries it keeps
+  (``KVCache.write``): inside the ``lax.cond`` the cache is only read, so
+  XLA never copies it."""
   if positions_BT is not None:
     positions_BT, mask_BTT = positions_BT[:, :width], mask_BTT[:, :width,
                                                                :width]
   out = llama.forward(params, model_cfg, block_BT[:, :width], cache, taps=taps,
-                      positions_BT=positions_BT, mask_BTT=mask_BTT)
+                      positions_BT=positions_BT, mask_BTT=mask_BTT,
+                      write_cache=False)
   extra = block_BT.shape[1] - width
   if not extra:
     return out
   pad = lambda a, axis: jnp.pad(a, [(0, extra if i == axis else 0)
                                     for i in range(a.ndim)])
   return out.replace(logits=pad(out.logits, 1),
-                     taps=None if out.taps is None else pad(out.taps, 2))
+                     taps=None if out.taps is None else pad(out.taps, 2),
+                     new_kv=jax.tree.map(lambda a: pad(a, 1), out.new_kv))
 
 
 def _is_eos(tokens, dcfg: DecodeConfig):
@@ -342,7 +347,8 @@ def _chain_step(params, state: DecodeState, model_cfg: ModelConfig,
                                         num_tokens, _features(out))
   state = state.replace(tokens=tokens, num_tokens=num_tokens,
                         drafter_state=drafter_state, key=key)
-  state = _tally(state, out.cache, live_B, wide, prop.num_draft,
+  cache = state.cache.write(out.new_kv, state.cache.new_slots(dcfg.block))
+  state = _tally(state, cache, live_B, wide, prop.num_draft,
                  res.num_accepted, dcfg.k)
   return _update_stops(state, hit_eos_B, dcfg)
 
@@ -366,7 +372,7 @@ def _propose_tree(drafter_params, state: DecodeState, dcfg: DecodeConfig,
 def _tree_step(params, state: DecodeState, model_cfg: ModelConfig,
                dcfg: DecodeConfig, drafter_params) -> DecodeState:
   """Propose a tree -> score its nodes in one forward -> ``verify_tree`` ->
-  move the accepted path's cache entries together -> emit -> tally."""
+  write the accepted path's cache entries -> emit -> tally."""
   live_B = ~state.done
   key, k_draft, k_verify = jax.random.split(state.key, 3)
   tree, anc_BMM, drafter_state = _propose_tree(drafter_params, state, dcfg,
@@ -390,8 +396,13 @@ def _tree_step(params, state: DecodeState, model_cfg: ModelConfig,
                                       num_tokens, features)
   state = state.replace(tokens=tokens, num_tokens=num_tokens,
                         drafter_state=drafter_state, key=key)
-  state = _tally(state, compact_path(out.cache, base_B, res.path), live_B,
-                 wide, tree.num_drafted, res.num_accepted, dcfg.k, res.path)
+  # Only the accepted path's entries are written, contiguously from the
+  # root's slot: node path[d] goes to base + d.
+  path_kv = jax.tree.map(lambda a: jnp.take_along_axis(
+      a, res.path[:, :, None, None], axis=1), out.new_kv)
+  cache = state.cache.write(path_kv, state.cache.new_slots(dcfg.k + 1))
+  state = _tally(state, cache, live_B, wide, tree.num_drafted,
+                 res.num_accepted, dcfg.k, res.path)
   return _update_stops(state, hit_eos_B, dcfg)
 
 

@@ -121,20 +121,21 @@ def small_matmul(x_MK: jax.Array, packed_PKL: jax.Array, n: int
 
 
 def attention(q_BTNH: jax.Array, k_BGHS: jax.Array, v_BGSH: jax.Array,
+              k_new_BTGH: jax.Array, v_new_BTGH: jax.Array,
               lengths_B: jax.Array, mask_BTT: jax.Array) -> jax.Array:
   """``f32[B, T, N * H]``: the T new queries of each row attend over its
-  cache (the new keys/values already written at ``lengths + arange(T)``):
-  slot s is visible to new token t iff ``s < lengths[b]`` or it is new
-  token u with ``mask[b, t, u]``. Reads only the slots in use; needs
-  ``available()`` (``llama.forward`` falls back to XLA's attention)."""
+  cache prefix (slots ``s < lengths[b]``, only read) and over the new
+  tokens' own keys/values: new token u is visible to t iff ``mask[b, t, u]``.
+  Reads only the slots in use; needs ``available()`` (``llama.forward``
+  falls back to XLA's attention)."""
   if not available():
     raise RuntimeError("native.attention: the native library is not "
                        "available (see the warning)")
   B, T, N, H = q_BTNH.shape
+  f32 = lambda a: a.astype(jnp.float32)
   out = jax.ffi.ffi_call(
       ATTENTION, jax.ShapeDtypeStruct((B, T, N, H), jnp.float32),
       vmap_method="sequential")(
-          q_BTNH.astype(jnp.float32), k_BGHS.astype(jnp.float32),
-          v_BGSH.astype(jnp.float32), lengths_B.astype(jnp.int32),
-          mask_BTT.astype(bool))
+          f32(q_BTNH), f32(k_BGHS), f32(v_BGSH), f32(k_new_BTGH),
+          f32(v_new_BTGH), lengths_B.astype(jnp.int32), mask_BTT.astype(bool))
   return out.reshape(B, T, N * H)

@@ -119,29 +119,83 @@ def test_vmap_over_the_custom_call():
     (2, 8, 6, 3, 16, 20, [12, 3]),  # the last row's new tokens fill it
     (2, 4, 4, 4, 8, 16, [14, 2]),  # new tokens past the capacity
     (2, 3, 10, 2, 40, 36, [5, 31]),  # 5 queries a kv head, H = 5 vectors
-    (1, 2, 2, 1, 12, 9, [3])])  # H not a multiple of 8: the plain C++
+    (1, 2, 2, 1, 12, 9, [3]),  # H not a multiple of 8: the plain C++
+    (1, 3, 3, 1, 16, 48, [17])])  # a 16-slot block spills past the prefix
 def test_attention_equals_xla_and_never_reads_stale_slots(B, T, N, G, H, S,
                                                          lengths):
-  """Invariants: the native attention over a cache with ragged lengths and a
-  random tree mask (each token sees itself) equals ``llama.attention`` under
-  the same mask (1e-5); with NaN/inf in every slot past a row's new
-  tokens the output is unchanged: stale slots are not read."""
+  """Invariants: attention of T new tokens over a ragged cache prefix plus
+  their own keys/values under a random tree mask (each token sees itself):
+  the native kernel equals ``llama.attention`` (1e-5); that equals the new
+  entries written into the cache and attended there (``query_mask``,
+  ``new=None``: the EAGLE heads' form) wherever they fit; with NaN/inf in
+  every cache slot past a row's prefix nothing changes: stale slots are
+  not read, by either."""
+  from specjax.cache import KVCache, write_kv
   from specjax.models import llama
   rng = np.random.default_rng(B * T * S)
   normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)
   q, k, v = normal(B, T, N, H), normal(B, G, H, S), normal(B, G, S, H)
+  k_new, v_new = normal(B, T, G, H), normal(B, T, G, H)
   lens = jnp.asarray(lengths, jnp.int32)
   mask = jnp.asarray(rng.random((B, T, T)) < 0.5) | jnp.eye(T, dtype=bool)[None]
-  visible = llama.query_mask(lens, mask, S, N // G)
-  ref = llama.attention(q, k, v, visible)
+  prefix = (jnp.arange(S)[None, :] < lens[:, None])[:, None, :]
+  new = (k_new, v_new, jnp.repeat(mask, N // G, axis=1))
+  ref = llama.attention(q, k, v, prefix, new=new)
   f = jax.jit(native.attention)
-  np.testing.assert_allclose(f(q, k, v, lens, mask), ref, atol=1e-5)
-  for b, used in enumerate(np.minimum(np.asarray(lengths) + T, S)):
-    k[b, :, :, used:], v[b, :, used:] = np.nan, np.inf
-  np.testing.assert_allclose(f(q, k, v, lens, mask), ref, atol=1e-5)
-  # XLA's attention (GPU/TPU, bf16, prefill) ignores them too.
-  np.testing.assert_allclose(llama.attention(q, k, v, visible), ref,
+  np.testing.assert_allclose(f(q, k, v, k_new, v_new, lens, mask), ref,
                              atol=1e-5)
+  kw, vw = write_kv(jnp.asarray(k), jnp.asarray(v), k_new, v_new,
+                    KVCache(k=(k,), v=(v,), lengths=lens).new_slots(T))
+  written = llama.attention(q, kw, vw, llama.query_mask(lens, mask, S,
+                                                        N // G))
+  for b in range(B):
+    if lengths[b] + T <= S:
+      np.testing.assert_allclose(written[b], ref[b], atol=1e-5)
+  for b, used in enumerate(lengths):
+    k[b, :, :, used:], v[b, :, used:] = np.nan, np.inf
+  np.testing.assert_allclose(f(q, k, v, k_new, v_new, lens, mask), ref,
+                             atol=1e-5)
+  # XLA's attention (GPU/TPU, bf16, prefill) ignores them too.
+  np.testing.assert_allclose(llama.attention(q, k, v, prefix, new=new), ref,
+                             atol=1e-5)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_forward_without_writing_leaves_the_cache_untouched(tmp_path,
+                                                           packed):
+  """Invariants, XLA's path and the native one: a forward with
+  ``write_cache=False`` gives the logits of the writing forward (1e-5 of
+  the largest) under a tree mask, returns the cache it got (same buffers'
+  values, same lengths) and, as ``new_kv``, exactly the entries the writing
+  forward put at ``lengths + t``; ``KVCache.write`` of them rebuilds that
+  cache."""
+  from specjax.models import llama
+  from specjax.models.hf_loader import load_hf
+  from tests.tiny_hf import make_tiny
+  make_tiny("llama_gqa_tied", tmp_path, seed=6)
+  cfg, params = load_hf(tmp_path)
+  params = llama.pack_params(params) if packed else params
+  rng = np.random.default_rng(8)
+  prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
+  pre = llama.forward(params, cfg, prompt, llama.init_cache(cfg, 2, 32))
+  cache = pre.cache.with_lengths(jnp.asarray([9, 4], jnp.int32))
+  new = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
+  parents = jnp.asarray([[0, 0, 0, 1, 2]] * 2, jnp.int32)
+  from specjax import tree
+  anc = tree.ancestors(parents, jnp.ones((2, 5), bool))
+  pos = tree.positions(cache.lengths, anc)
+  fwd = jax.jit(lambda c, w: llama.forward(params, cfg, new, c,
+                                           positions_BT=pos, mask_BTT=anc,
+                                           write_cache=w),
+                static_argnums=1)
+  wrote, kept = fwd(cache, True), fwd(cache, False)
+  _assert_close(kept.logits, wrote.logits)
+  np.testing.assert_array_equal(kept.cache.lengths, cache.lengths)
+  for a, b in zip(kept.cache.k + kept.cache.v, cache.k + cache.v):
+    np.testing.assert_array_equal(a, b)
+  rebuilt = cache.write(kept.new_kv, cache.new_slots(5))
+  for a, b in zip(rebuilt.k + rebuilt.v, wrote.cache.k + wrote.cache.v):
+    np.testing.assert_array_equal(a, b)
 
 
 def _logits(params, cfg, prompt_BT, new_BT):

@@ -9,10 +9,13 @@
 // once for several queries) and the cache lines are prefetched: 30 layers
 // at 8 new tokens took 2.2 ms (5.5 ms with GCC's vectorized loops alone).
 //
-// Slot s is visible to new token t of row b iff s < lengths[b] (the row's
-// prefix) or s = lengths[b] + u with mask[b, t, u] (the new tokens, already
-// written into the cache), and s < S. Queries are grouped per kv head: query
-// head n reads kv head n / R.
+// New token t of row b sees the row's prefix, cache slots s < lengths[b],
+// and new token u iff mask[b, t, u]. The new tokens' keys and values come
+// as their own operands, k_new and v_new [B, T, G, H]: the cache is only
+// read, below each row's length, so a verify forward can leave it untouched
+// (the engine writes what it keeps afterwards) and a row's stale slots are
+// never read. Queries are grouped per kv head: query head n reads kv head
+// n / R.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -120,11 +123,42 @@ struct Task {
   const float* q;  // token t0's first query head of the group
   const float* k;  // [H, S]
   const float* v;  // [S, H]
+  const float* k_new;  // new token u's key at k_new + u * new_stride, [H]
+  const float* v_new;  // and value
   float* out;      // as q
   int64_t stride;  // between tokens in q and out: N * H
-  int64_t H, S, used, prefix, t0, t1, T, R;
+  int64_t new_stride;  // between new tokens in k_new and v_new: G * H
+  int64_t H, S, used, prefix, t0, t1, T, R;  // used = prefix + T
   const bool* mask;  // the row's [T, T]
 };
+
+// Scores of the new tokens: scores[i, prefix + u] = qs[i] . k_new[u].
+__attribute__((always_inline)) inline void scores_new(const Task& t,
+                                                      const float* qs,
+                                                      int64_t Q, float* scores,
+                                                      int64_t ld) {
+  for (int64_t i = 0; i < Q; ++i)
+    for (int64_t u = 0; u < t.T; ++u) {
+      const float* kn = t.k_new + u * t.new_stride;
+      float acc = 0.0f;
+      for (int64_t h = 0; h < t.H; ++h) acc += qs[i * t.H + h] * kn[h];
+      scores[i * ld + t.prefix + u] = acc;
+    }
+}
+
+// out[i, :] += sum over new tokens u of p[i, prefix + u] v_new[u, :].
+__attribute__((always_inline)) inline void values_new(const Task& t,
+                                                      const float* p,
+                                                      int64_t Q, int64_t ld) {
+  for (int64_t i = 0; i < Q; ++i) {
+    float* orow = t.out + (i / t.R) * t.stride + (i % t.R) * t.H;
+    for (int64_t u = 0; u < t.T; ++u) {
+      const float pu = p[i * ld + t.prefix + u];
+      const float* vn = t.v_new + u * t.new_stride;
+      for (int64_t j = 0; j < t.H; ++j) orow[j] += pu * vn[j];
+    }
+  }
+}
 
 // Scaled queries, contiguous: qs[Q, H].
 __attribute__((always_inline)) inline void scale_queries(const Task& t,
@@ -142,9 +176,11 @@ int64_t score_stride(int64_t used) { return (used + 15) / 16 * 16; }
 void attend_generic(const Task& t, float* qs, float* scores) {
   const int64_t Q = (t.t1 - t.t0) * t.R, ld = score_stride(t.used);
   scale_queries(t, qs);
-  scores_plain(qs, Q, t.k, t.H, t.S, 0, t.used, scores, ld);
+  scores_plain(qs, Q, t.k, t.H, t.S, 0, t.prefix, scores, ld);
+  scores_new(t, qs, Q, scores, ld);
   softmax_rows(scores, ld, Q, t.R, t.used, t.prefix, t.mask, t.t0, t.T);
-  values_plain(scores, ld, Q, t.R, t.v, t.H, t.used, t.out, t.stride);
+  values_plain(scores, ld, Q, t.R, t.v, t.H, t.prefix, t.out, t.stride);
+  values_new(t, scores, Q, ld);
 }
 
 // AVX2 + FMA. Scores: QB <= 4 queries x 16 slots in 8 ymm accumulators,
@@ -229,13 +265,16 @@ __attribute__((target("avx2,fma"))) void attend_avx2(const Task& t,
                                                      float* scores) {
   const int64_t Q = (t.t1 - t.t0) * t.R, ld = score_stride(t.used);
   scale_queries(t, qs);
+  // The prefix's slots in blocks of 16 (a last block may spill past the
+  // prefix inside the buffer: those scores are overwritten just below).
   int64_t s0 = 0;
-  for (; s0 < t.used && s0 + 16 <= t.S; s0 += 16)
+  for (; s0 < t.prefix && s0 + 16 <= t.S; s0 += 16)
     for (int64_t i = 0; i < Q; i += 4)
       kScores[std::min<int64_t>(4, Q - i)](qs + i * t.H, t.k, t.H, t.S, s0,
                                            scores + i * ld, ld);
-  if (s0 < t.used)  // the last slots of the cache: fewer than 16
-    scores_plain(qs, Q, t.k, t.H, t.S, s0, t.used, scores, ld);
+  if (s0 < t.prefix)  // the last slots of the cache: fewer than 16
+    scores_plain(qs, Q, t.k, t.H, t.S, s0, t.prefix, scores, ld);
+  scores_new(t, qs, Q, scores, ld);
   softmax_rows(scores, ld, Q, t.R, t.used, t.prefix, t.mask, t.t0, t.T);
   for (int64_t i = 0; i < Q; i += 3) {
     const int64_t qb = std::min<int64_t>(3, Q - i);
@@ -244,8 +283,9 @@ __attribute__((target("avx2,fma"))) void attend_avx2(const Task& t,
       outs[j] = t.out + ((i + j) / t.R) * t.stride + ((i + j) % t.R) * t.H;
     for (int64_t d0 = 0; d0 < t.H; d0 += 32)
       kValues[qb][std::min<int64_t>(4, (t.H - d0) / 8)](
-          scores + i * ld, ld, t.v, t.H, t.used, d0, outs);
+          scores + i * ld, ld, t.v, t.H, t.prefix, d0, outs);
   }
+  values_new(t, scores, Q, ld);
 }
 
 // The variant for this CPU and head size, chosen by the CPU's features.
@@ -260,25 +300,33 @@ void attend(const Task& t, float* qs, float* scores) {
 
 ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                      ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                     ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
                      ffi::Buffer<ffi::S32> lengths,
                      ffi::Buffer<ffi::PRED> mask,
                      ffi::ResultBuffer<ffi::F32> out) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  auto knd = k_new.dimensions(), vnd = v_new.dimensions();
   auto md = mask.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || md.size() != 3)
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || md.size() != 3 ||
+      knd.size() != 4 || vnd.size() != 4)
     return ffi::Error::InvalidArgument("attention: bad ranks");
   const int64_t B = qd[0], T = qd[1], N = qd[2], H = qd[3];
   const int64_t G = kd[1], S = kd[3];
-  if (kd[0] != B || kd[2] != H || vd[0] != B || vd[1] != G || vd[2] != S ||
-      vd[3] != H || N % G != 0 || md[0] != B || md[1] != T || md[2] != T ||
-      lengths.dimensions()[0] != B)
+  bool ok = kd[0] == B && kd[2] == H && vd[0] == B && vd[1] == G &&
+            vd[2] == S && vd[3] == H && N % G == 0 && md[0] == B &&
+            md[1] == T && md[2] == T && lengths.dimensions()[0] == B;
+  for (auto nd : {knd, vnd})
+    ok = ok && nd[0] == B && nd[1] == T && nd[2] == G && nd[3] == H;
+  if (!ok)
     return ffi::Error::InvalidArgument(
         "attention: want q[B, T, N, H], k[B, G, H, S], v[B, G, S, H], "
-        "lengths[B], mask[B, T, T]");
+        "k_new and v_new [B, T, G, H], lengths[B], mask[B, T, T]");
   const int64_t R = N / G;
   const float* qp = q.typed_data();
   const float* kp = k.typed_data();
   const float* vp = v.typed_data();
+  const float* knp = k_new.typed_data();
+  const float* vnp = v_new.typed_data();
   const int32_t* lp = lengths.typed_data();
   const bool* mp = mask.typed_data();
   float* op = out->typed_data();
@@ -291,13 +339,14 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     const int64_t t0 = task % blocks * kTokens;
     const int64_t t1 = std::min(T, t0 + kTokens);
     const int64_t prefix = std::clamp<int64_t>(lp[b], 0, S);
-    const int64_t used = std::min<int64_t>(prefix + T, S);
+    const int64_t used = prefix + T;
     const int64_t Q = (t1 - t0) * R;
     std::vector<float> scratch(Q * (H + score_stride(used)));
     const int64_t at = ((b * T + t0) * N + g * R) * H;
+    const int64_t at_new = (b * T * G + g) * H;
     attend(Task{qp + at, kp + (b * G + g) * H * S, vp + (b * G + g) * S * H,
-                op + at, N * H, H, S, used, prefix, t0, t1, T, R,
-                mp + b * T * T},
+                knp + at_new, vnp + at_new, op + at, N * H, G * H, H, S,
+                used, prefix, t0, t1, T, R, mp + b * T * T},
            scratch.data(), scratch.data() + Q * H);
   });
   return ffi::Error::Success();
@@ -308,6 +357,8 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxAttention, Attention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

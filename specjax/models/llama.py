@@ -154,14 +154,18 @@ class ForwardOutput:
 
   Attributes:
     logits: ``f32[B, T, V]`` (or ``[B, P, V]`` when ``logit_positions`` given).
-    cache: the cache with the T new entries appended (lengths += T).
+    cache: the cache with the T new entries appended (lengths += T), or
+      the input cache untouched (``write_cache=False``).
     taps: ``[len(taps), B, T, D]`` hidden states at the inputs of the requested
       layers (index L means the last layer's output, before the final norm),
       or None when no taps were requested.
+    new_kv: with ``write_cache=False``, each layer's new ``(k, v)``,
+      ``[B, T, G, H]`` each (keys RoPE'd), for ``KVCache.write``; else None.
   """
   logits: jax.Array
   cache: KVCache
   taps: Optional[jax.Array]
+  new_kv: Optional[tuple] = None
 
 
 def init_cache(cfg: ModelConfig, batch: int, capacity: int,
@@ -215,29 +219,41 @@ def apply_rope(x_BTnH: jax.Array, cos_BTH: jax.Array,
   return out.astype(x_BTnH.dtype)
 
 
-def attention(q_BTNH, kc_BGHS, vc_BGSH, mask_BQS):
-  """Attention of T new queries over the cache, new entries already written
-  (the target's layers and the EAGLE heads' drafting layer alike).
+def attention(q_BTNH, kc_BGHS, vc_BGSH, mask_BQS, new=None):
+  """Attention of T new queries over the cache, and over the new tokens'
+  own keys/values when ``new = (k_BTGH, v_BTGH, mask_BQT)`` is given (the
+  target's forward: the cache holds the prefix and is only read); without
+  ``new`` the new entries must already be in the cache (the EAGLE heads'
+  drafting layer).
 
-  Queries are grouped per kv head as Q = T*R rows so both products are plain
+  Queries are grouped per kv head as Q = T*R rows so the products are plain
   batched matmuls over (B, G) against the cache's layouts; ``mask_BQS`` says
-  which slots those rows see (``query_mask``). Masked scores are
-  replaced (not added to) and values no row sees are zeroed, so whatever a
-  stale slot holds (NaN, inf) never reaches the output.
+  which slots those rows see (``query_mask``; ``[B, 1, S]`` broadcasts),
+  ``mask_BQT`` which new tokens. Masked scores are replaced (not added to)
+  and values no row sees are zeroed, so whatever a stale slot holds (NaN,
+  inf) never reaches the output.
   """
   B, T, N, H = q_BTNH.shape
-  G = kc_BGHS.shape[1]
+  G, S = kc_BGHS.shape[1], kc_BGHS.shape[-1]
   R = N // G
   q_BGQH = (q_BTNH.reshape(B, T, G, R, H) * (H ** -0.5)).transpose(
       0, 2, 1, 3, 4).reshape(B, G, T * R, H)
   s_BGQS = jnp.einsum("bgqh,bghs->bgqs", q_BGQH, kc_BGHS,
                       preferred_element_type=jnp.float32)
-  p_BGQS = jax.nn.softmax(jnp.where(mask_BQS[:, None], s_BGQS, _NEG_INF),
-                          axis=-1)
+  scores = [jnp.where(mask_BQS[:, None], s_BGQS, _NEG_INF)]
+  if new is not None:
+    k_BTGH, v_BTGH, mask_BQT = new
+    s_BGQT = jnp.einsum("bgqh,btgh->bgqt", q_BGQH, k_BTGH,
+                        preferred_element_type=jnp.float32)
+    scores.append(jnp.where(mask_BQT[:, None], s_BGQT, _NEG_INF))
+  p_BGQX = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
   seen_BS = jnp.any(mask_BQS, axis=1)
   v_BGSH = jnp.where(seen_BS[:, None, :, None], vc_BGSH, 0)
-  out_BGQH = jnp.einsum("bgqs,bgsh->bgqh", p_BGQS.astype(v_BGSH.dtype),
-                        v_BGSH)
+  out_BGQH = jnp.einsum("bgqs,bgsh->bgqh", p_BGQX[..., :S].astype(
+      v_BGSH.dtype), v_BGSH)
+  if new is not None:
+    out_BGQH = out_BGQH + jnp.einsum("bgqt,btgh->bgqh", p_BGQX[..., S:].astype(
+        v_BTGH.dtype), v_BTGH)
   return out_BGQH.reshape(B, G, T, R, H).transpose(0, 2, 1, 3, 4).reshape(
       B, T, N * H)
 
@@ -273,7 +289,8 @@ def causal_mask(batch: int, num_new: int) -> jax.Array:
 def forward(params: LlamaParams, cfg: ModelConfig, tokens_BT: jax.Array,
             cache: KVCache, *, positions_BT: Optional[jax.Array] = None,
             mask_BTT: Optional[jax.Array] = None, taps: Sequence[int] = (),
-            logit_positions_BP: Optional[jax.Array] = None) -> ForwardOutput:
+            logit_positions_BP: Optional[jax.Array] = None,
+            write_cache: bool = True) -> ForwardOutput:
   """Runs T new tokens per row on top of each row's cached prefix.
 
   Args:
@@ -290,9 +307,17 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens_BT: jax.Array,
       the last layer). Static.
     logit_positions_BP: ``int32[B, P]`` compute logits only at these new-token
       positions (prefill needs just the last real token of each row).
+    write_cache: False leaves the cache untouched (only its prefix is read)
+      and returns the new entries instead (``new_kv``): a verify forward
+      under ``lax.cond`` then never copies the cache, and the engine writes
+      only what it keeps.
+
+  Every layer attends over the cache prefix (slots below each row's length)
+  plus the new tokens' own keys/values, so both modes compute the same.
 
   Returns:
-    ``ForwardOutput`` with f32 logits, the appended cache and the taps.
+    ``ForwardOutput`` with f32 logits, the cache (appended or untouched), the
+    taps and (not writing) the new entries.
   """
   B, T = tokens_BT.shape
   lengths_B = cache.lengths
@@ -300,7 +325,9 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens_BT: jax.Array,
     positions_BT = lengths_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
   if mask_BTT is None:
     mask_BTT = causal_mask(B, T)
-  mask_BQS = query_mask(lengths_B, mask_BTT, cache.capacity, cfg.group_size)
+  prefix_B1S = (jnp.arange(cache.capacity)[None, :] < lengths_B[:, None])[
+      :, None, :]
+  mask_BQT = jnp.repeat(mask_BTT, cfg.group_size, axis=1)
   slots_BT = cache.new_slots(T)
   # Packed weights mean the native CPU path: its attention too, for decode,
   # verify and tree widths (prefill's long T stays on XLA's batched dots).
@@ -312,7 +339,7 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens_BT: jax.Array,
 
   N, G, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   x_BTD = jnp.take(params.embed, tokens_BT, axis=0)
-  hidden, ks, vs = [], list(cache.k), list(cache.v)
+  hidden, ks, vs, new_kv = [], list(cache.k), list(cache.v), []
   for i, lp in enumerate(params.layers):
     hidden.append(x_BTD)
     h = rms_norm(x_BTD, lp.attn_norm, cfg.norm_eps)
@@ -323,17 +350,21 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens_BT: jax.Array,
                     sin_BTH)
     q, k = qk[:, :, :N], qk[:, :, N:]
     v = qkv[..., (N + G) * H:].reshape(B, T, G, H)
-    # Write first, then attend over the cache: reading the buffers before
-    # the write would make XLA copy them to keep the old values alive.
-    ks[i], vs[i] = write_kv(ks[i], vs[i], k, v, slots_BT)
-    attn = (native.attention(q, ks[i], vs[i], lengths_B, mask_BTT)
-            if native_attention else attention(q, ks[i], vs[i], mask_BQS))
+    if write_cache:
+      # Write first, then attend (over the prefix): reading the buffers
+      # before the write would make XLA copy them to keep the old values.
+      ks[i], vs[i] = write_kv(ks[i], vs[i], k, v, slots_BT)
+    new_kv.append((k, v))
+    attn = (native.attention(q, ks[i], vs[i], k, v, lengths_B, mask_BTT)
+            if native_attention else
+            attention(q, ks[i], vs[i], prefix_B1S, new=(k, v, mask_BQT)))
     x_BTD = x_BTD + linear(attn, lp.wo)
     h = rms_norm(x_BTD, lp.mlp_norm, cfg.norm_eps)
     gate, up = jnp.split(linear(h, lp.w_gate_up), 2, axis=-1)
     x_BTD = x_BTD + linear(jax.nn.silu(gate) * up, lp.w_down)
   hidden.append(x_BTD)
-  new_cache = KVCache(k=tuple(ks), v=tuple(vs), lengths=lengths_B + T)
+  new_cache = KVCache(k=tuple(ks), v=tuple(vs),
+                      lengths=lengths_B + T if write_cache else lengths_B)
   tap_out = jnp.stack([hidden[t] for t in taps]) if taps else None
 
   h_BTD = rms_norm(x_BTD, params.final_norm, cfg.norm_eps)
@@ -341,7 +372,8 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens_BT: jax.Array,
     h_BTD = jnp.take_along_axis(h_BTD, logit_positions_BP[..., None], axis=1)
   w_VD = params.embed if params.lm_head is None else params.lm_head
   return ForwardOutput(logits=_logits(h_BTD, w_VD), cache=new_cache,
-                       taps=tap_out)
+                       taps=tap_out,
+                       new_kv=None if write_cache else tuple(new_kv))
 
 
 def _logits(h_BTD: jax.Array, w_VD: jax.Array) -> jax.Array:
