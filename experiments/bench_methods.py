@@ -9,8 +9,8 @@ positional spec is NAME[:k=K][:nodes=M][:width=W][:shape=S][:conf=C]
 [:layers=L][:head=P] (conf is min_confidence, nodes and width the tree's
 size and branching, shape a static tree as in --tree-shape, head a head
 file), so e.g. fixed and dynamic K, chain, dynamic and static trees, or two
-heads, share the AR baseline of one run. Prints and appends one JSON line per spec
-(the `specjax.bench` contract; `config` records the knobs).
+heads, share the AR baseline of one run. Prints and appends one JSON line per
+spec (the `specjax.bench` contract; `config` records the knobs).
 """
 
 from __future__ import annotations

@@ -142,9 +142,9 @@ def parse_shape(text: str) -> np.ndarray:
     return paths_parents(tuple(int(r) for r in q.split(".")) for q in
                          text.split(","))
   except ValueError as e:
+    why = f" ({e})" if str(e) else ""
     raise ValueError(f"bad tree shape {text!r}: want a branching spec like "
-                     f"2x2x1 or rank paths like 0,1,0.0{f' ({e})' if str(e) else ''}"
-                     ) from None
+                     f"2x2x1 or rank paths like 0,1,0.0{why}") from None
 
 
 def format_paths(parents) -> str:

@@ -249,11 +249,11 @@ def attention(q_BTNH, kc_BGHS, vc_BGSH, mask_BQS, new=None):
   p_BGQX = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
   seen_BS = jnp.any(mask_BQS, axis=1)
   v_BGSH = jnp.where(seen_BS[:, None, :, None], vc_BGSH, 0)
-  out_BGQH = jnp.einsum("bgqs,bgsh->bgqh", p_BGQX[..., :S].astype(
-      v_BGSH.dtype), v_BGSH)
+  p_BGQS = p_BGQX[..., :S].astype(v_BGSH.dtype)
+  out_BGQH = jnp.einsum("bgqs,bgsh->bgqh", p_BGQS, v_BGSH)
   if new is not None:
-    out_BGQH = out_BGQH + jnp.einsum("bgqt,btgh->bgqh", p_BGQX[..., S:].astype(
-        v_BTGH.dtype), v_BTGH)
+    p_BGQT = p_BGQX[..., S:].astype(v_BTGH.dtype)
+    out_BGQH = out_BGQH + jnp.einsum("bgqt,btgh->bgqh", p_BGQT, v_BTGH)
   return out_BGQH.reshape(B, G, T, R, H).transpose(0, 2, 1, 3, 4).reshape(
       B, T, N * H)
 
@@ -325,8 +325,11 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens_BT: jax.Array,
     positions_BT = lengths_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
   if mask_BTT is None:
     mask_BTT = causal_mask(B, T)
-  prefix_B1S = (jnp.arange(cache.capacity)[None, :] < lengths_B[:, None])[
-      :, None, :]
+  # Opaque to XLA: a fresh cache's prefix mask is a constant (all False),
+  # and XLA would constant-fold every layer's masked prefill scores
+  # (~8 s a layer at a 512-token bucket) instead of computing them.
+  prefix_B1S = jax.lax.optimization_barrier(
+      (jnp.arange(cache.capacity)[None, :] < lengths_B[:, None])[:, None, :])
   mask_BQT = jnp.repeat(mask_BTT, cfg.group_size, axis=1)
   slots_BT = cache.new_slots(T)
   # Packed weights mean the native CPU path: its attention too, for decode,
