@@ -78,10 +78,10 @@ def main(argv=None):
   from specjax import bench, data, methods, runner
   from specjax.models.registry import load_model
   from specjax.sampling import SamplingParams
-  from specjax.theory import TreePlan
+  from specjax.theory import shape_text
   paths = caterpillar(args.depth, args.ranks)
   spec = methods.MethodSpec(args.method, head=args.head,
-                            tree_shape=TreePlan(tuple(paths), 0.0).spec())
+                            tree_shape=shape_text(paths))
   model = load_model("smollm2-135m")
   drafter, dparams = methods.build(model, spec)
   prompts = data.load_prompts(args.dataset, args.num_prompts)

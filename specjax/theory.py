@@ -96,8 +96,14 @@ class TreePlan:
     return max((len(q) for q in self.paths), default=0)
 
   def spec(self) -> str:
-    """The ``--tree-shape`` text (``tree.parse_shape``'s rank paths)."""
-    return ",".join(".".join(map(str, q)) for q in self.paths)
+    """The ``--tree-shape`` text (``shape_text``)."""
+    return shape_text(self.paths)
+
+
+def shape_text(paths) -> str:
+  """Rank paths as ``--tree-shape`` text (``tree.parse_shape`` reads it):
+  comma-separated paths, ranks joined by dots (``0,1,0.0``)."""
+  return ",".join(".".join(map(str, q)) for q in paths)
 
 
 def tree_expected_tokens(paths, p_DR) -> float:

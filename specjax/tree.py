@@ -131,7 +131,7 @@ def parse_shape(text: str) -> np.ndarray:
   """Parents of a static tree written as a branching spec (``"2x2x1"``:
   children per node at each depth; ``"4"``: four under the root) or as rank
   paths (``"0,1,0.0,0.1"``: comma-separated, ranks joined by dots;
-  ``format_paths`` writes these; ``"0"`` is the one-node tree)."""
+  ``theory.shape_text`` writes these; ``"0"`` is the one-node tree)."""
   text = text.strip()
   try:
     if re.fullmatch(r"[1-9]\d*(x\d+)*", text):
@@ -145,16 +145,6 @@ def parse_shape(text: str) -> np.ndarray:
     why = f" ({e})" if str(e) else ""
     raise ValueError(f"bad tree shape {text!r}: want a branching spec like "
                      f"2x2x1 or rank paths like 0,1,0.0{why}") from None
-
-
-def format_paths(parents) -> str:
-  """``parse_shape``'s rank-path form of a static tree."""
-  shape = Shape(parents)
-  ranks, path = shape.ranks(), {0: ()}
-  for m in range(1, len(shape.parents)):
-    path[m] = path[shape.parents[m]] + (ranks[m],)
-  return ",".join(".".join(map(str, path[m]))
-                  for m in range(1, len(shape.parents)))
 
 
 class Shape:
@@ -186,13 +176,15 @@ class Shape:
   def max_depth(self) -> int:
     return max(self.depths)
 
-  def ranks(self) -> list[int]:
-    """Each node's rank among its siblings (the root: 0)."""
-    out = [0] * len(self.parents)
-    for kids in self.children:
-      for r, m in enumerate(kids):
-        out[m] = r
-    return out
+  def paths(self) -> list[tuple[int, ...]]:
+    """Each drafted node's rank path (its rank among its siblings at every
+    depth from the root), in node order: ``theory.shape_text`` writes them
+    as ``parse_shape`` reads them."""
+    path = {0: ()}
+    for m in range(1, len(self.parents)):
+      path[m] = path[self.parents[m]] + (self.children[self.parents[m]].index(
+          m),)
+    return [path[m] for m in range(1, len(self.parents))]
 
   def scratch_visibility(self) -> np.ndarray:
     """``bool[M, E]``: expanded node e (``expanded[e]``) is node m or one of

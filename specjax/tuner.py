@@ -123,11 +123,10 @@ class CostCurve:
   def forward_at(self, t: int) -> float:
     """A forward over t tokens: measured, or linear between the measured
     widths (and along the last segment past them)."""
-    points = [(i, f) for i, f in enumerate(self.forward) if i] + list(
-        self.wide)
     if t < len(self.forward):
       return self.forward[t]
-    xs, ys = zip(*points)
+    xs, ys = zip(*[(i, f) for i, f in enumerate(self.forward) if i],
+                 *self.wide)
     if t >= xs[-1]:
       slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
       return ys[-1] + slope * (t - xs[-1])

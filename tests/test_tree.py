@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import tree as trees
+from specjax import theory, tree as trees
 from specjax.sampling import SamplingParams, warp
 from tests.test_verify import _chi2_ok
 
@@ -260,11 +260,12 @@ def test_static_shapes_parse_print_and_describe_themselves():
   text = "0,1,0.0,0.1,1.0,0.0.0"
   parents = trees.parse_shape(text)
   np.testing.assert_array_equal(parents, [0, 0, 0, 1, 1, 2, 3])
-  assert trees.format_paths(parents) == text
-  assert trees.format_paths(trees.parse_shape("1.0,0,1")) == "0,1,1.0"
   shape = trees.Shape(parents)
+  assert theory.shape_text(shape.paths()) == text
+  assert theory.shape_text(trees.Shape(trees.parse_shape(
+      "1.0,0,1")).paths()) == "0,1,1.0"
   assert shape.depths == [0, 1, 1, 2, 2, 2, 3] and shape.max_depth == 3
-  assert shape.ranks() == [0, 0, 1, 0, 1, 0, 0]
+  assert shape.paths() == [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
   assert shape.expanded == [1, 2, 3] and shape.num_nodes == 6
   np.testing.assert_array_equal(shape.scratch_visibility(), [
       [0, 0, 0], [1, 0, 0], [0, 1, 0], [1, 0, 1], [1, 0, 0], [0, 1, 0],
