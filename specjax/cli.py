@@ -104,7 +104,7 @@ def _add_model_args(p, several: bool = False):
                  help="K, drafts per verify step (speculative methods)")
   p.add_argument("--tree-nodes", type=int, default=0,
                  help="draft trees of up to this many nodes, --num-draft "
-                 "deep, verified in one forward (ngram, eagle, eagle3; "
+                 "deep, verified in one forward (ngram, retrieval, eagle, eagle3; "
                  "0 = chains)")
   p.add_argument("--tree-width", type=int, default=4,
                  help="trees: n-gram matches merged, or EAGLE's top-k per "

@@ -37,8 +37,8 @@ class MethodSpec:
     head: the "eagle" (EAGLE-1) / "eagle3" head file (None = the one
       shipped for the model).
     tree_nodes: 0 for chains; else draft trees of up to this many nodes,
-      ``num_draft`` deep (drafters with ``propose_tree``: "ngram", "eagle",
-      "eagle3").
+      ``num_draft`` deep (drafters with ``propose_tree``: "ngram",
+      "retrieval", "eagle", "eagle3").
     tree_width: a tree's branching: n-gram matches merged into the trie,
       or EAGLE's top-k per expanded node and nodes expanded per level.
     tree_shape: EAGLE heads: a static tree instead (``tree.parse_shape``:
@@ -96,7 +96,8 @@ def build(model: Model, spec: MethodSpec) -> tuple[Any, Any]:
     from specjax.drafters.base import TreeDrafter
     if not isinstance(built[0], TreeDrafter):
       raise MethodError(f"--method {spec.name} drafts chains only; trees "
-                        f"(--tree-nodes) work with: ngram, eagle, eagle3")
+                        f"(--tree-nodes) work with: ngram, retrieval, eagle, "
+                        f"eagle3")
   return built
 
 

@@ -111,6 +111,35 @@ def test_proposals_longest_suffix_chaining_and_ragged():
   np.testing.assert_array_equal(long_only.num_draft, [1, 2, 0, 0, 0])
 
 
+def test_tree_follows_every_suffix_order():
+  """Invariants: the trie holds one chain per suffix order that hit, longest
+  first, orders that agree merged into one path; its first path is the
+  chain ``propose`` drafts (the spine); a row with no hit drafts nothing;
+  the node budget cuts breadth first."""
+  ds = build_datastore(CORPUS, num_slots=64)
+  tokens = jnp.array([[1, 2, 3, 0, 0], [7, 2, 3, 0, 0], [6, 6, 0, 0, 0]])
+  num = jnp.array([3, 3, 2])
+  drafter = RetrievalDrafter()
+  propose_tree = jax.jit(drafter.propose_tree, static_argnums=(5, 6))
+  tree = propose_tree(ds, None, tokens, num, None, 3, 6, None).tree
+  # Row 0: "1 2 3" -> 9 (then nothing); "2 3" -> 4 (tie with 9: lower id),
+  #   then "1 2 3 4" -> 5; "3" -> 4 as well (merged). Row 1: every order
+  #   says 4, then 5. Row 2: 6 never seen.
+  assert tree.valid.tolist() == [[True] * 4 + [False] * 3,
+                                 [True] * 3 + [False] * 4,
+                                 [True] + [False] * 6]
+  np.testing.assert_array_equal(tree.tokens[:, :4], [[3, 9, 4, 5],
+                                                     [3, 4, 5, 0],
+                                                     [6, 0, 0, 0]])
+  np.testing.assert_array_equal(tree.parents[:2, :4], [[0, 0, 0, 2],
+                                                       [0, 0, 1, 0]])
+  chain = drafter.propose(ds, None, tokens, num, None, 3, None)
+  np.testing.assert_array_equal(chain.tokens[:2, :2], [[9, 0], [4, 5]])
+  # Two nodes: breadth first keeps both first tokens of row 0.
+  two = propose_tree(ds, None, tokens, num, None, 3, 2, None).tree
+  np.testing.assert_array_equal(two.tokens[0], [3, 9, 4])
+
+
 def _run(params, cfg, dcfg, drafter_params=None, max_new=24):
   prompt_BT, lengths = bucketing.pad_prompts(PROMPTS)
   state = engine.generate_jit(params, prompt_BT, lengths, jax.random.key(0),
@@ -120,11 +149,13 @@ def _run(params, cfg, dcfg, drafter_params=None, max_new=24):
           for b in range(len(PROMPTS))], state
 
 
-def test_greedy_retrieval_equals_ar(tiny):
-  """Invariants at T = 0 on a ragged batch: with a table built from the AR
-  continuations themselves plus conflicting noise streams, speculative output
-  equals AR output token for token, and drafts were really accepted and
-  rejected along the way (the test is not vacuous)."""
+@pytest.mark.parametrize("tree_nodes", [0, 6])
+def test_greedy_retrieval_equals_ar(tiny, tree_nodes):
+  """Invariants at T = 0 on a ragged batch, as chains and as tries: with a
+  table built from the AR continuations themselves plus conflicting noise
+  streams, speculative output equals AR output token for token, and drafts
+  were really accepted and rejected along the way (the test is not
+  vacuous)."""
   cfg, params = tiny
   ar, ar_state = _run(params, cfg, engine.DecodeConfig(capacity=64))
   rng = np.random.default_rng(0)
@@ -139,7 +170,8 @@ def test_greedy_retrieval_equals_ar(tiny):
     noise += [bad, bad]
   ds = jax.device_put(build_datastore(truth + noise, num_slots=1024))
   spec, st = _run(params, cfg, engine.DecodeConfig(
-      capacity=64, drafter=RetrievalDrafter(), num_draft=4), ds)
+      capacity=64, drafter=RetrievalDrafter(), num_draft=4,
+      tree_nodes=tree_nodes), ds)
   assert spec == ar
   accepted = np.asarray(st.accepted_at).sum(1)
   drafted = np.asarray(st.num_drafted)

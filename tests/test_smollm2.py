@@ -68,9 +68,9 @@ def _drafter(smollm2, method, tmp_path_factory):
   if method == "layerskip_dynamic_k":
     return (LayerSkipDrafter.from_target(cfg, 24, min_confidence=0.6),
             smollm2.params, 3)
-  if method == "retrieval":
+  if method in ("retrieval", "retrieval_tree"):  # the second call loads it
     table = sharegpt_datastore(smollm2.tokenizer, num_conversations=300,
-                               cache_dir=tmp_path_factory.mktemp("ds"),
+                               cache_dir=tmp_path_factory.getbasetemp() / "ds",
                                progress=False)
     return RetrievalDrafter(), table, 4
   if method == "eagle3_untrained":  # exactness cannot depend on training
@@ -103,7 +103,8 @@ def ar_rows(smollm2):
 
 @pytest.mark.parametrize("method", ["ngram", "ngram_tree",
                                     "layerskip_dynamic_k",
-                                    "retrieval", "eagle3_untrained",
+                                    "retrieval", "retrieval_tree",
+                                    "eagle3_untrained",
                                     "eagle3_shipped_dynamic_k",
                                     "eagle3_shipped_tree"])
 def test_speculative_greedy_identity(smollm2, ar_rows, method,
@@ -114,7 +115,7 @@ def test_speculative_greedy_identity(smollm2, ar_rows, method,
   untrained EAGLE-3 head (random layer, warm-started LM head) must still be
   exact; the shipped head with dynamic K drafts on some steps and scores the
   newest token alone on others; n-gram tries and EAGLE-2 trees of 8 nodes
-  run the tree step.
+  run the tree step, and so do retrieval tries.
   (Layer-skip runs through the draft-model code path with dynamic K; the
   target as its own draft model is checked on the tiny model.)"""
   prompts, ar = ar_rows

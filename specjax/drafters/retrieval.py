@@ -6,7 +6,9 @@ stores its most frequent next token and that token's empirical probability.
 Proposing looks up the longest suffix of each row's tokens that is in the
 table, takes its next token, appends it to a virtual context and looks up
 again, K times: drafts chain through the table. A row stops drafting at the
-first miss (ragged ``num_draft``, possibly 0). The table is the drafter's
+first miss (ragged ``num_draft``, possibly 0). As a tree drafter it also
+follows what the shorter suffixes propose where they disagree with the
+longest: a trie of one chain per suffix order. The table is the drafter's
 params (``Datastore``, a pytree of three ``[num_slots]`` arrays), so lookups
 are a handful of gathers inside the jitted step: no host work, fixed shapes.
 
@@ -35,7 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax.drafters.base import Proposal, Stateless
+from specjax.drafters.base import Proposal, Stateless, TreeProposal
+from specjax.tree import trie
 
 # Bump when the hash or the table layout changes: old caches become misses.
 _FORMAT_VERSION = 1
@@ -321,54 +324,97 @@ class RetrievalDrafter(Stateless):
       raise ValueError(f"need 1 <= n_min <= n_max, got {self.n_min}, "
                        f"{self.n_max}")
 
+  def _table(self, params: Datastore):
+    """The table's arrays as jax arrays (H: table slots). A numpy-backed
+    table (straight from the builder) cannot be indexed by tracers; under
+    jit this is a no-op."""
+    return tuple(jnp.asarray(a) for a in (params.check, params.next_token,
+                                          params.confidence))
+
+  def _window(self, tokens_BS, num_tokens_B):
+    """``[B, n_max]``: the last n_max committed tokens; positions before the
+    row start are never read because an n-gram needs length >= n."""
+    S, N = tokens_BS.shape[1], self.n_max
+    idx_BN = num_tokens_B[:, None] - N + jnp.arange(N)[None, :]
+    return jnp.take_along_axis(tokens_BS, jnp.clip(idx_BN, 0, S - 1), axis=1)
+
+  def _lookup(self, table, window_RN, length_R):
+    """Per suffix order, shortest first (``[R, O]``, O = n_max - n_min + 1):
+    the stored next token, its confidence, and whether the order hit."""
+    check_H, next_H, conf_H = table
+    mask = jnp.uint32(next_H.shape[0] - 1)
+    hashes = context_hashes(window_RN.astype(jnp.uint32), self.n_min,
+                            self.n_max)
+    tokens, confs, hits = [], [], []
+    for n in range(self.n_min, self.n_max + 1):
+      h1_R, h2_R = hashes[n]
+      slot_R = (h1_R & mask).astype(jnp.int32)
+      next_R = next_H[slot_R]
+      hits.append((check_H[slot_R] == h2_R) & (next_R >= 0) & (length_R >= n))
+      tokens.append(next_R)
+      confs.append(conf_H[slot_R])
+    return (jnp.stack(tokens, 1), jnp.stack(confs, 1), jnp.stack(hits, 1))
+
+  def _chain(self, table, window_RN, length_R, num_draft: int):
+    """``(drafts [R, K], num_draft [R])``: K chained longest-suffix lookups,
+    each row stopping at its first miss (or low-confidence token)."""
+    R = window_RN.shape[0]
+
+    def body(k, carry):
+      window_RN, length_R, alive_R, num_R, drafts_RK = carry
+      token_RO, conf_RO, hit_RO = self._lookup(table, window_RN, length_R)
+      # The longest order that hit (if none did, hit_R is False below).
+      longest_R1 = (hit_RO.shape[1] - 1
+                    - jnp.argmax(hit_RO[:, ::-1], axis=1))[:, None]
+      token_R, conf_R, hit_R = (jnp.take_along_axis(a_RO, longest_R1, 1)[:, 0]
+                                for a_RO in (token_RO, conf_RO, hit_RO))
+      alive_R &= hit_R & (conf_R >= self.min_confidence)
+      token_R = jnp.where(alive_R, token_R, 0)
+      drafts_RK = drafts_RK.at[:, k].set(token_R)
+      # Drafts extend the context the next lookup sees (a stopped row's
+      # window no longer matters).
+      window_RN = jnp.concatenate([window_RN[:, 1:], token_R[:, None]], axis=1)
+      return (window_RN, length_R + 1, alive_R,
+              num_R + alive_R.astype(jnp.int32), drafts_RK)
+
+    carry = (window_RN, length_R, jnp.ones((R,), bool),
+             jnp.zeros((R,), jnp.int32), jnp.zeros((R, num_draft), jnp.int32))
+    *_, num_R, drafts_RK = jax.lax.fori_loop(0, num_draft, body, carry)
+    return drafts_RK, num_R
+
   def propose(self, params: Datastore, state, tokens_BS, num_tokens_B, key,
               num_draft, sampling) -> Proposal:
     del key, sampling
-    B, S = tokens_BS.shape
-    K, N = num_draft, self.n_max
-    mask = jnp.uint32(params.num_slots - 1)
-    # A numpy-backed table (straight from the builder) cannot be indexed by
-    # tracers; under jit this is a no-op. (H: table slots.)
-    check_H, next_H, conf_H = (jnp.asarray(a) for a in (
-        params.check, params.next_token, params.confidence))
-    # The last N committed tokens; positions before the row start are never
-    # read because an n-gram needs length >= n.
-    idx_BN = num_tokens_B[:, None] - N + jnp.arange(N)[None, :]
-    window_BN = jnp.take_along_axis(tokens_BS, jnp.clip(idx_BN, 0, S - 1),
-                                    axis=1)
-
-    def lookup(window_BN, length_B):
-      """Next token of the longest suffix in the table, its confidence, and
-      whether any suffix matched."""
-      hashes = context_hashes(window_BN.astype(jnp.uint32), self.n_min, N)
-      found_B = jnp.zeros((B,), bool)
-      token_B = jnp.zeros((B,), jnp.int32)
-      conf_B = jnp.zeros((B,), jnp.float32)
-      for n in range(self.n_min, N + 1):  # longer n overwrite shorter
-        h1_B, h2_B = hashes[n]
-        slot_B = (h1_B & mask).astype(jnp.int32)
-        next_B = next_H[slot_B]
-        hit_B = ((check_H[slot_B] == h2_B) & (next_B >= 0)
-                 & (length_B >= n))
-        found_B |= hit_B
-        token_B = jnp.where(hit_B, next_B, token_B)
-        conf_B = jnp.where(hit_B, conf_H[slot_B], conf_B)
-      return token_B, conf_B, found_B
-
-    def body(k, carry):
-      window_BN, length_B, alive_B, num_draft_B, drafts_BK = carry
-      token_B, conf_B, found_B = lookup(window_BN, length_B)
-      alive_B &= found_B & (conf_B >= self.min_confidence)
-      token_B = jnp.where(alive_B, token_B, 0)
-      drafts_BK = drafts_BK.at[:, k].set(token_B)
-      # Drafts extend the context the next lookup sees (a stopped row's
-      # window no longer matters).
-      window_BN = jnp.concatenate([window_BN[:, 1:], token_B[:, None]], axis=1)
-      return (window_BN, length_B + 1, alive_B,
-              num_draft_B + alive_B.astype(jnp.int32), drafts_BK)
-
-    carry = (window_BN, num_tokens_B, jnp.ones((B,), bool),
-             jnp.zeros((B,), jnp.int32), jnp.zeros((B, K), jnp.int32))
-    *_, num_draft_B, drafts_BK = jax.lax.fori_loop(0, K, body, carry)
-    return Proposal(tokens=drafts_BK, probs=None, num_draft=num_draft_B,
+    drafts_BK, num_B = self._chain(self._table(params),
+                                   self._window(tokens_BS, num_tokens_B),
+                                   num_tokens_B, num_draft)
+    return Proposal(tokens=drafts_BK, probs=None, num_draft=num_B,
                     state=state)
+
+  def propose_tree(self, params: Datastore, state, tokens_BS, num_tokens_B,
+                   key, num_draft, num_nodes, sampling) -> TreeProposal:
+    """A trie of the continuations each suffix order proposes: path p starts
+    with the token stored for the (p+1)-th longest suffix (the chain's first
+    draft for p = 0, then the shorter contexts' alternatives) and continues
+    as the chain does, up to ``num_draft`` deep; cut breadth first to
+    ``num_nodes`` drafted nodes. Orders that agree share one path."""
+    del key, sampling
+    B, K = tokens_BS.shape[0], num_draft
+    table = self._table(params)
+    window_BN = self._window(tokens_BS, num_tokens_B)
+    token_BO, conf_BO, hit_BO = self._lookup(table, window_BN, num_tokens_B)
+    # Longest first; an order that missed gives an empty path.
+    first_BP, ok_BP = token_BO[:, ::-1], (hit_BO & (
+        conf_BO >= self.min_confidence))[:, ::-1]
+    P = first_BP.shape[1]
+    window_RN = jnp.concatenate([
+        jnp.repeat(window_BN[:, None, 1:], P, axis=1), first_BP[..., None]],
+                                axis=2).reshape(B * P, self.n_max)
+    rest_RK, num_R = self._chain(table, window_RN,
+                                 jnp.repeat(num_tokens_B, P) + 1, K - 1)
+    paths_BPK = jnp.concatenate([first_BP[..., None],
+                                 rest_RK.reshape(B, P, K - 1)], axis=2)
+    lengths_BP = jnp.where(ok_BP, 1 + num_R.reshape(B, P), 0)
+    root_B = tokens_BS[jnp.arange(B), num_tokens_B - 1]
+    return TreeProposal(tree=trie(root_B, paths_BPK, lengths_BP, num_nodes),
+                        state=state)
