@@ -104,27 +104,28 @@ def _add_model_args(p, several: bool = False):
                  help="K, drafts per verify step (speculative methods)")
   p.add_argument("--tree-nodes", type=int, default=0,
                  help="draft trees of up to this many nodes, --num-draft "
-                 "deep, verified in one forward (ngram, retrieval, eagle, eagle3; "
-                 "0 = chains)")
+                 "deep, verified in one forward (ngram, retrieval, eagle, "
+                 "eagle3; 0 = chains)")
   p.add_argument("--tree-width", type=int, default=4,
                  help="trees: n-gram matches merged, or EAGLE's top-k per "
                  "node")
   p.add_argument("--tree-shape", default="",
-                 help="eagle, eagle3: a static tree instead of a dynamic "
-                 "one, as children per depth (2x2x1) or rank paths "
-                 "(0,1,0.0; `specjax tune` proposes one); sets --tree-nodes "
-                 "and --num-draft")
+                 help="eagle, eagle3, medusa: a static tree (for EAGLE "
+                 "instead of a dynamic one), as children per depth (2x2x1) "
+                 "or rank paths (0,1,0.0; `specjax tune` proposes one); sets "
+                 "--tree-nodes and --num-draft")
   p.add_argument("--layers", type=int, default=None,
                  help="layer-skip: target layers the drafter runs "
                  "(default 80%% of them)")
   p.add_argument("--min-confidence", type=float, default=0.0,
-                 help="dynamic K (draft, layerskip, eagle, eagle3): stop "
+                 help="dynamic K (draft, layerskip, eagle, eagle3, medusa): stop "
                  "drafting a row when the draft's top probability falls "
                  "below this")
   p.add_argument("--draft-model", default=None,
                  help="--method draft: the draft model (.gguf or HF dir)")
   p.add_argument("--head", default=None,
-                 help="--method eagle3: a head file (default: the shipped one)")
+                 help="--method eagle, eagle3, medusa: a head file (default: "
+                 "the shipped one)")
 
 
 def _add_sampling_args(p):

@@ -13,7 +13,10 @@ from typing import TYPE_CHECKING, Any, Optional
 if TYPE_CHECKING:
   from specjax.models.registry import Model
 
-METHODS = ("ar", "ngram", "draft", "layerskip", "retrieval", "eagle", "eagle3")
+METHODS = ("ar", "ngram", "draft", "layerskip", "retrieval", "eagle", "eagle3",
+           "medusa")
+# Methods that draft with a trained head, and the head variant each loads.
+HEADS = {"eagle": "eagle1", "eagle3": "eagle3", "medusa": "medusa"}
 # Heads shipped inside the package, by target model name.
 SHIPPED_HEADS = {"smollm2-135m": "heads/smollm2-135m-eagle3.npz"}
 
@@ -34,14 +37,14 @@ class MethodSpec:
       (0 = fixed K).
     draft_model: the "draft" method's model (a name, .gguf or HF dir).
     datastore_conversations: ShareGPT conversations behind "retrieval".
-    head: the "eagle" (EAGLE-1) / "eagle3" head file (None = the one
-      shipped for the model).
+    head: the "eagle" (EAGLE-1) / "eagle3" / "medusa" head file (None = the
+      one shipped for the model).
     tree_nodes: 0 for chains; else draft trees of up to this many nodes,
       ``num_draft`` deep (drafters with ``propose_tree``: "ngram",
-      "retrieval", "eagle", "eagle3").
+      "retrieval", "eagle", "eagle3", and "medusa" with a ``tree_shape``).
     tree_width: a tree's branching: n-gram matches merged into the trie,
       or EAGLE's top-k per expanded node and nodes expanded per level.
-    tree_shape: EAGLE heads: a static tree instead (``tree.parse_shape``:
+    tree_shape: EAGLE and Medusa heads: a static tree (``tree.parse_shape``:
       ``"2x2x1"`` or rank paths); it sets ``tree_nodes`` and ``num_draft``.
   """
   name: str = "ar"
@@ -89,15 +92,18 @@ def build(model: Model, spec: MethodSpec) -> tuple[Any, Any]:
   if spec.tree_width < 1:
     raise MethodError(f"--tree-width must be >= 1, got {spec.tree_width}")
   built = _build(model, spec)
-  if spec.tree_shape and spec.name not in ("eagle", "eagle3"):
-    raise MethodError(f"--tree-shape is for EAGLE heads (eagle, eagle3), "
-                      f"not {spec.name}")
+  if spec.tree_shape and spec.name not in HEADS:
+    raise MethodError(f"--tree-shape is for EAGLE and Medusa heads (eagle, "
+                      f"eagle3, medusa), not {spec.name}")
+  if spec.name == "medusa" and spec.tree_nodes and not spec.tree_shape:
+    raise MethodError("Medusa trees are static: give --tree-shape (e.g. "
+                      "2x2x1) instead of --tree-nodes")
   if spec.tree_nodes and spec.name != "ar":
     from specjax.drafters.base import TreeDrafter
     if not isinstance(built[0], TreeDrafter):
       raise MethodError(f"--method {spec.name} drafts chains only; trees "
                         f"(--tree-nodes) work with: ngram, retrieval, eagle, "
-                        f"eagle3")
+                        f"eagle3, medusa")
   return built
 
 
@@ -122,8 +128,8 @@ def _build(model: Model, spec: MethodSpec) -> tuple[Any, Any]:
       raise MethodError(str(e)) from None
   if spec.name == "draft":
     return _draft_model(model, spec)
-  if spec.name in ("eagle", "eagle3"):
-    return _eagle(model, spec)
+  if spec.name in HEADS:
+    return _head(model, spec)
   import jax
   from specjax.drafters.retrieval import RetrievalDrafter, sharegpt_datastore
   kw = ({} if spec.datastore_conversations is None
@@ -161,21 +167,22 @@ def _draft_model(model: Model, spec: MethodSpec):
   return drafter, draft.params
 
 
-def _eagle(model: "Model", spec: MethodSpec):
+def _head(model: "Model", spec: MethodSpec):
+  """A head method's drafter: the head file (``spec.head`` or the shipped
+  one), packed for the native CPU path when the target is."""
   import pathlib
 
   import jax.numpy as jnp
 
-  from specjax.drafters.eagle import EagleDrafter, EagleParams
   from specjax.heads.eagle import pack_head
   from specjax.heads.export import load_head
   from specjax.models.llama import is_packed
-  variant = "eagle1" if spec.name == "eagle" else "eagle3"
+  variant = HEADS[spec.name]
   path = spec.head
   if path is None:
     shipped = SHIPPED_HEADS.get(model.config.name)
     path = shipped and pathlib.Path(__file__).parent / shipped
-    if spec.name == "eagle" or not path or not path.is_file():
+    if spec.name != "eagle3" or not path or not path.is_file():
       raise MethodError(
           f"no {spec.name} head ships for {model.config.name!r} yet: train "
           f"one (specjax train --config experiments/{variant}_smollm2.py "
@@ -185,18 +192,26 @@ def _eagle(model: "Model", spec: MethodSpec):
   except ValueError as e:
     raise MethodError(str(e)) from None
   if cfg.variant != variant:
+    method = {v: m for m, v in HEADS.items()}[cfg.variant]
     raise MethodError(f"--head {str(path)!r} is an {cfg.variant} head; use "
-                      f"--method {'eagle' if cfg.variant == 'eagle1' else 'eagle3'}")
+                      f"--method {method}")
   if is_packed(model.params):  # the target's native CPU path: the head's too
     head = pack_head(head)
-  params = EagleParams(head=head, draft_ids=draft_ids,
-                        embed=jnp.asarray(model.params.embed))
-  if spec.tree_width > cfg.draft_vocab:
-    raise MethodError(f"--tree-width {spec.tree_width} exceeds the head's "
-                      f"draft vocabulary ({cfg.draft_vocab})")
   shape = ()
   if spec.tree_shape:
     from specjax.tree import parse_shape
     shape = tuple(int(p) for p in parse_shape(spec.tree_shape))
-  return EagleDrafter(cfg, spec.min_confidence, spec.tree_width,
-                      shape), params
+  if variant == "medusa":
+    from specjax.drafters.medusa import MedusaDrafter, MedusaParams
+    if spec.num_draft > cfg.medusa_heads:
+      raise MethodError(f"--num-draft {spec.num_draft} exceeds the Medusa "
+                        f"head's {cfg.medusa_heads} depths")
+    return (MedusaDrafter(cfg, spec.min_confidence, shape),
+            MedusaParams(head=head, draft_ids=draft_ids))
+  from specjax.drafters.eagle import EagleDrafter, EagleParams
+  if spec.tree_width > cfg.draft_vocab:
+    raise MethodError(f"--tree-width {spec.tree_width} exceeds the head's "
+                      f"draft vocabulary ({cfg.draft_vocab})")
+  return (EagleDrafter(cfg, spec.min_confidence, spec.tree_width, shape),
+          EagleParams(head=head, draft_ids=draft_ids,
+                      embed=jnp.asarray(model.params.embed)))

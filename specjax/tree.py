@@ -176,6 +176,18 @@ class Shape:
   def max_depth(self) -> int:
     return max(self.depths)
 
+  def check(self, num_nodes: int, num_draft: int, num_ranks: int) -> None:
+    """Raises ValueError unless the shape has ``num_nodes`` drafted nodes,
+    none deeper than ``num_draft``, and no node more than ``num_ranks``
+    children (a head's draft vocabulary)."""
+    width = max(map(len, self.children))
+    if (self.num_nodes != num_nodes or self.max_depth > num_draft
+        or width > num_ranks):
+      raise ValueError(f"tree_shape has {self.num_nodes} nodes, depth "
+                       f"{self.max_depth}, {width} children at most; asked "
+                       f"for {num_nodes} nodes, depth <= {num_draft}, ranks "
+                       f"within the draft vocabulary ({num_ranks})")
+
   def paths(self) -> list[tuple[int, ...]]:
     """Each drafted node's rank path (its rank among its siblings at every
     depth from the root), in node order: ``theory.shape_text`` writes them

@@ -43,6 +43,7 @@ from specjax import tree as trees
 from specjax.drafters.base import Proposal, TreeProposal
 from specjax.drafters.chain import draft_chain
 from specjax.heads.eagle import HeadConfig, head_module
+from specjax.heads.vocab import full_vocab_logits
 from specjax.models import llama
 
 
@@ -176,15 +177,14 @@ class EagleDrafter:
 
   def propose(self, params: EagleParams, state: EagleState, tokens_BS,
               num_tokens_B, key, num_draft, sampling) -> Proposal:
-    B, V = tokens_BS.shape[0], params.embed.shape[0]
+    V = params.embed.shape[0]
     state, stable_B, a_BD = self._start(params, state, tokens_BS,
                                         num_tokens_B, num_draft)
 
     def logits(a_BD):
       """Head output -> logits over the full vocabulary (-inf off Vd)."""
-      logits_BVd = self._call(params, "logits", a_BD[:, None])[:, 0]
-      return jnp.full((B, V), -jnp.inf, jnp.float32).at[
-          :, params.draft_ids].set(logits_BVd)
+      return full_vocab_logits(self._call(params, "logits", a_BD[:, None]),
+                               params.draft_ids, V)[:, 0]
 
     def step(tok_B, carry):
       st, a_BD = carry
@@ -206,12 +206,7 @@ class EagleDrafter:
     del key, sampling  # the tree is the head's top-k: no draws
     if self.tree_shape:
       shape = trees.Shape(self.tree_shape)
-      if (shape.num_nodes != num_nodes or shape.max_depth > num_draft
-          or max(map(len, shape.children)) > self.cfg.draft_vocab):
-        raise ValueError(f"tree_shape has {shape.num_nodes} nodes, depth "
-                         f"{shape.max_depth}; asked for {num_nodes} nodes, "
-                         f"depth <= {num_draft}, ranks within the draft "
-                         f"vocabulary ({self.cfg.draft_vocab})")
+      shape.check(num_nodes, num_draft, self.cfg.draft_vocab)
     elif self.tree_width > self.cfg.draft_vocab:
       raise ValueError(f"tree width {self.tree_width} exceeds the draft "
                        f"vocabulary ({self.cfg.draft_vocab})")

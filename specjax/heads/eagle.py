@@ -47,9 +47,12 @@ class HeadConfig:
     draft_vocab: Vd.
     rope_theta: the head's own RoPE base.
     norm_eps: RMSNorm epsilon.
-    variant: "eagle3" (fused low/mid/high taps, own LM head over Vd) or
+    variant: "eagle3" (fused low/mid/high taps, own LM head over Vd),
       "eagle1" (the target's last hidden state after its final norm, the
-      target's LM head over the full vocabulary, frozen).
+      target's LM head over the full vocabulary, frozen) or "medusa"
+      (``heads.medusa``: residual blocks on that last hidden state, one per
+      depth, sharing one LM head over Vd).
+    medusa_heads: a Medusa head's depths (0 for the EAGLE variants).
   """
   target_dim: int
   target_vocab: int
@@ -63,21 +66,28 @@ class HeadConfig:
   rope_theta: float = 10000.0
   norm_eps: float = 1e-5
   variant: str = "eagle3"
+  medusa_heads: int = 0
 
   def __post_init__(self):
-    if self.variant not in ("eagle3", "eagle1"):
+    if self.variant not in ("eagle3", "eagle1", "medusa"):
       raise ValueError(f"unknown head variant {self.variant!r}")
+    if (self.variant == "medusa") != (self.medusa_heads > 0):
+      raise ValueError(f"medusa_heads must be > 0 exactly for Medusa heads, "
+                       f"got {self.medusa_heads} for {self.variant}")
 
   @classmethod
   def for_target(cls, target: ModelConfig, draft_vocab: int,
                  variant: str = "eagle3", **overrides) -> "HeadConfig":
     """Defaults for a target: EAGLE-3 taps the inputs of layers {2, L//2,
-    L-3}; EAGLE-1 the last layer's output (tap L) over the full vocabulary;
-    both take the target's attention shape and MLP width."""
+    L-3}; EAGLE-1 the last layer's output (tap L) over the full vocabulary,
+    Medusa (4 depths) that tap over Vd; all take the target's attention
+    shape and MLP width (Medusa uses neither)."""
     L = target.num_layers
     eagle1 = variant == "eagle1"
     kw = dict(target_dim=target.dim, target_vocab=target.vocab_size,
-              target_layers=L, taps=(L,) if eagle1 else (2, L // 2, L - 3),
+              target_layers=L,
+              taps=(2, L // 2, L - 3) if variant == "eagle3" else (L,),
+              medusa_heads=4 if variant == "medusa" else 0,
               variant=variant,
               num_heads=target.num_heads, num_kv_heads=target.num_kv_heads,
               head_dim=target.head_dim, ffn_dim=target.ffn_dim,
@@ -225,10 +235,14 @@ class Eagle1Head(nn.Module):
 
 
 # Parameters training leaves alone, per variant (copies of target weights).
-FROZEN = {"eagle3": (), "eagle1": ("feature_norm", "lm_head")}
+FROZEN = {"eagle3": (), "eagle1": ("feature_norm", "lm_head"),
+          "medusa": ("feature_norm",)}
 
 
 def head_module(cfg: HeadConfig) -> nn.Module:
+  if cfg.variant == "medusa":
+    from specjax.heads.medusa import MedusaHead
+    return MedusaHead(cfg)
   return (Eagle1Head if cfg.variant == "eagle1" else Eagle3Head)(cfg)
 
 

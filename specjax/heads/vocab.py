@@ -61,3 +61,13 @@ def draft_rows(target_params, vocab: DraftVocab) -> jax.Array:
   head's LM-head init and the recomputed target logits of a feature cache."""
   return jax.numpy.asarray(lm_head_VD(target_params))[
       jax.numpy.asarray(vocab.ids)]
+
+
+def full_vocab_logits(logits_XVd: jax.Array, draft_ids: jax.Array,
+                      vocab_size: int) -> jax.Array:
+  """A head's logits over Vd placed in the full vocabulary (f32, -inf at
+  every id outside Vd): what drafters hand to sampling, so draft
+  probabilities are full-vocabulary distributions."""
+  full = jax.numpy.full(logits_XVd.shape[:-1] + (vocab_size,), -jax.numpy.inf,
+                        jax.numpy.float32)
+  return full.at[..., draft_ids].set(logits_XVd.astype(jax.numpy.float32))

@@ -20,7 +20,7 @@ import numpy as np
 
 from specjax.training import data as edata
 from specjax.training.train import Setup, TrainConfig, trained_examples
-from specjax.training.ttt import ttt_loss
+from specjax.training.ttt import head_loss
 
 
 def expected_tau(acc, coverage: float = 1.0) -> float:
@@ -31,7 +31,8 @@ def expected_tau(acc, coverage: float = 1.0) -> float:
 
 # Module-level, configs static: one compile per (head config, K) for the
 # process, not one per checkpoint evaluated.
-_metrics = jax.jit(lambda p, hcfg, embed, b, K: ttt_loss(p, hcfg, embed, b, K)[1],
+_metrics = jax.jit(lambda p, hcfg, embed, b, K: head_loss(p, hcfg, embed, b,
+                                                         K)[1],
                    static_argnums=(1, 4))
 
 
@@ -39,11 +40,12 @@ def heldout_accuracy(s: Setup, params, num_steps: int = 7,
                      batch_size: int = 4) -> dict:
   """Per-step top-1 agreement with the target on ``s.heldout_ex``.
 
-  Returns ``acc`` (list of ``num_steps``, over positions whose target argmax
-  is in Vd), ``coverage`` (share of assistant positions whose target argmax
+  Returns ``acc`` (list of ``num_steps`` -- a Medusa head's depths for a
+  Medusa head -- over positions whose target argmax is in Vd), ``coverage`` (share of assistant positions whose target argmax
   is in Vd), ``positions`` and ``expected_tau``.
   """
   ex, N = s.heldout_ex, len(s.heldout_ex)
+  num_steps = s.hcfg.medusa_heads or num_steps
   features = s.features()
   hits, counts = np.zeros(num_steps), np.zeros(num_steps)
   assistant = 0

@@ -29,7 +29,7 @@ import optax
 from specjax.training import data as edata
 from specjax.heads.export import save_head
 from specjax.heads.eagle import FROZEN, HeadConfig, head_module
-from specjax.training.ttt import loss_rows, target_batch, ttt_loss
+from specjax.training.ttt import head_loss, loss_rows, target_batch
 from specjax.heads.vocab import DraftVocab, build_draft_vocab, draft_rows
 
 
@@ -39,7 +39,9 @@ class TrainConfig:
 
   Attributes:
     model: target model (name, .gguf or HF dir).
-    variant: "eagle3" or "eagle1" (the baseline; full vocabulary).
+    variant: "eagle3", "eagle1" (the baseline; full vocabulary) or
+      "medusa" (``medusa_heads`` residual blocks on the last hidden state).
+    medusa_heads: a Medusa head's depths.
     num_conversations: ShareGPT conversations read (before the split).
     heldout: conversations kept out for evaluation.
     max_len: tokens per example (truncated / padded).
@@ -75,6 +77,7 @@ class TrainConfig:
   """
   model: str = "smollm2-135m"
   variant: str = "eagle3"
+  medusa_heads: int = 4
   num_conversations: int = 4000
   heldout: int = 64
   max_len: int = 512
@@ -102,7 +105,7 @@ class TrainConfig:
   init_head: str = ""
 
   def __post_init__(self):
-    for name in ("max_len", "batch_size", "steps", "ttt_steps",
+    for name in ("max_len", "batch_size", "steps", "ttt_steps", "medusa_heads",
                  "ttt_warm_steps", "draft_vocab", "rows_bucket", "log_every"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -183,7 +186,7 @@ def train_step(cfg: TrainConfig, hcfg: HeadConfig, K: int, rows: int):
     def step_fn(state, batch, embed_VD, total_steps):
       params = state["params"]
       (loss, m), g = jax.value_and_grad(
-          lambda p: ttt_loss(p, hcfg, embed_VD, batch, K, rows=rows),
+          lambda p: head_loss(p, hcfg, embed_VD, batch, K, rows=rows),
           has_aux=True)(params)
       upd, opt_state = optimizer(cfg, params, total_steps).update(
           g, state["opt"], params)
@@ -196,7 +199,7 @@ def train_step(cfg: TrainConfig, hcfg: HeadConfig, K: int, rows: int):
 def init_head(key, hcfg: HeadConfig, target_params, vocab: DraftVocab):
   """Random init, then warm starts from the target: the LM head from the
   target's output rows of the draft vocabulary, and the target's final norm
-  (EAGLE-3: the head's output norm; EAGLE-1: its feature norm)."""
+  (EAGLE-3: the head's output norm; EAGLE-1, Medusa: the feature norm)."""
   B, T = 1, 4
   params = head_module(hcfg).init(
       key, jnp.zeros((B, T, len(hcfg.taps) * hcfg.target_dim)),
@@ -204,7 +207,7 @@ def init_head(key, hcfg: HeadConfig, target_params, vocab: DraftVocab):
       jnp.zeros((B, T), jnp.int32))["params"]
   params = dict(params)
   params["lm_head"] = {"kernel": draft_rows(target_params, vocab).T}
-  norm = "feature_norm" if hcfg.variant == "eagle1" else "norm"
+  norm = "norm" if hcfg.variant == "eagle3" else "feature_norm"
   params[norm] = {"scale": jnp.asarray(target_params.final_norm)}
   return params
 
@@ -278,7 +281,8 @@ def setup(cfg: TrainConfig, *, model=None,
   vocab = build_draft_vocab(
       (r[m] for r, m in zip(train_ex.ids, train_ex.mask)), tcfg.vocab_size,
       min(vd, tcfg.vocab_size), always=tcfg.eos_ids)
-  hcfg = HeadConfig.for_target(tcfg, vocab.size, variant=cfg.variant)
+  hcfg = HeadConfig.for_target(tcfg, vocab.size, variant=cfg.variant, **(
+      dict(medusa_heads=cfg.medusa_heads) if cfg.variant == "medusa" else {}))
   params = init_head(jax.random.key(cfg.seed), hcfg, model.params, vocab)
   return Setup(model, train_ex, heldout_ex, vocab, hcfg, params)
 
@@ -354,7 +358,7 @@ def train(cfg: TrainConfig, workdir: str, *, model=None,
     idx = edata.batch_indices(step, len(train_ex), cfg.batch_size, cfg.seed)
     ex = train_ex.take(idx)
     # One compile per (TTT length, bucket of assistant positions).
-    K = cfg.ttt_at(step)
+    K = s.hcfg.medusa_heads or cfg.ttt_at(step)
     step_fn = train_step(cfg, s.hcfg, K, loss_rows(
         ex.mask, cfg.batch_size * cfg.rows_bucket))
     new, loss, m, gnorm = step_fn(state, get_batch(idx, ex), s.model.params.embed,

@@ -261,3 +261,45 @@ def attend_blocks(q_BTNH, blocks) -> jax.Array:
                              v.astype(jnp.float32))
       col += width
   return out.reshape(B, T, N, H).astype(q_BTNH.dtype)
+
+
+def medusa_loss(params, cfg: HeadConfig, batch: TTTBatch, decay: float = 0.8,
+                rows: int | None = None):
+  """Σ_k decay^k · loss_k over a Medusa head's depths, with TTT's alignment:
+  depth k at position t scores token t + 2 + k, which is TTT step k's target
+  at t (``_step_inputs``), counted under the same rule. All depths read the
+  target's hidden state at t (no recurrence, no attention). ``rows`` as in
+  ``ttt_loss``. Returns ``(loss, metrics)`` shaped as ``ttt_loss``'s, one
+  entry per depth."""
+  head = head_module(cfg)
+  call = lambda method, *a: head.apply({"params": params}, *a, method=method)
+  B, T = batch.tokens.shape
+  K = cfg.medusa_heads
+  p = _shifted(batch, K)
+  out_BTKD = call("outputs", call("features", batch.taps))
+  stats = []
+  for k in range(K):
+    _, probs, arg, weight = _step_inputs(p, k, T)
+    w_M = weight.astype(jnp.float32).reshape(-1)
+    x_MD = out_BTKD[:, :, k].reshape(B * T, -1)
+    probs_MV, arg_M = probs.reshape(B * T, -1), arg.reshape(-1)
+    if rows is not None:
+      w_M, x_MD, probs_MV, arg_M = _compact(rows, w_M, x_MD, probs_MV, arg_M)
+    ce, hits = fused_soft_ce(x_MD, params["lm_head"]["kernel"], probs_MV,
+                             arg_M, w_M)
+    n = jnp.maximum(jnp.sum(w_M), 1.0)
+    stats.append((ce / n, hits / n, jnp.sum(w_M)))
+  losses, accs, counts = (jnp.stack(x) for x in zip(*stats))
+  total = jnp.sum(decay ** jnp.arange(K) * losses)
+  assistant = jnp.sum(jax.lax.dynamic_slice_in_dim(p["loss_mask"], 2, T, 1))
+  return total, dict(loss=losses, acc=accs, count=counts, assistant=assistant)
+
+
+def head_loss(params, cfg: HeadConfig, embed_VD, batch: TTTBatch,
+              num_steps: int, rows: int | None = None):
+  """The loss a head of ``cfg.variant`` trains on: ``ttt_loss`` over
+  ``num_steps`` unrolled steps for EAGLE heads, ``medusa_loss`` (its own
+  depth count) for Medusa heads."""
+  if cfg.variant == "medusa":
+    return medusa_loss(params, cfg, batch, rows=rows)
+  return ttt_loss(params, cfg, embed_VD, batch, num_steps, rows=rows)
