@@ -1,4 +1,4 @@
-"""Acceptance of an EAGLE head's rank-r token at depth d: what sizes trees.
+"""Acceptance of a head's rank-r token at depth d: what sizes trees.
 
   .venv/bin/python experiments/tree_rank_acceptance.py --dataset mtbench \
       --depth 6 --ranks 8 --json experiments/results/tree_rank_acceptance.jsonl \
@@ -21,7 +21,9 @@ times in 80 prompts at depth 6), so the prior ``--priors`` stores in
 specjax/tuner_priors.json for ``specjax tune`` is ``p_pooled``: the ranks'
 hits over all depths by the spine steps over all depths, the same at every
 depth (Sequoia's depth-independent positional acceptance; the measured
-depths agree within noise). Prints one JSON line with both.
+depths of the EAGLE-3 head agree within noise; a Medusa head's do not, as
+each depth is its own head: size its trees from ``p``). Prints one JSON line
+with both.
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ def main(argv=None):
   ap.add_argument("--num-prompts", type=int, default=None)
   ap.add_argument("--max-new-tokens", type=int, default=128)
   ap.add_argument("--temperature", type=float, default=0.0)
-  ap.add_argument("--method", default="eagle3", choices=("eagle", "eagle3"))
+  ap.add_argument("--method", default="eagle3",
+                  choices=("eagle", "eagle3", "medusa"))
   ap.add_argument("--head", default=None)
   ap.add_argument("--depth", type=int, default=6)
   ap.add_argument("--ranks", type=int, default=8)
