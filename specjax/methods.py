@@ -17,8 +17,8 @@ METHODS = ("ar", "ngram", "draft", "layerskip", "retrieval", "eagle", "eagle3",
            "medusa")
 # Methods that draft with a trained head, and the head variant each loads.
 HEADS = {"eagle": "eagle1", "eagle3": "eagle3", "medusa": "medusa"}
-# Heads shipped inside the package, by target model name.
-SHIPPED_HEADS = {"smollm2-135m": "heads/smollm2-135m-eagle3.npz"}
+# Heads shipped inside the package, by (target model name, method).
+SHIPPED_HEADS = {("smollm2-135m", "eagle3"): "heads/smollm2-135m-eagle3.npz"}
 
 
 class MethodError(ValueError):
@@ -180,9 +180,9 @@ def _head(model: "Model", spec: MethodSpec):
   variant = HEADS[spec.name]
   path = spec.head
   if path is None:
-    shipped = SHIPPED_HEADS.get(model.config.name)
+    shipped = SHIPPED_HEADS.get((model.config.name, spec.name))
     path = shipped and pathlib.Path(__file__).parent / shipped
-    if spec.name != "eagle3" or not path or not path.is_file():
+    if not path or not path.is_file():
       raise MethodError(
           f"no {spec.name} head ships for {model.config.name!r} yet: train "
           f"one (specjax train --config experiments/{variant}_smollm2.py "

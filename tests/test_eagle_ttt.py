@@ -388,3 +388,35 @@ def test_leviathan_with_real_head_draft_probabilities(tmp_path):
       jnp.full((N,), k, jnp.int32), jax.random.key(12))
   stat, crit = _chi2_ok(res.tokens[:, 0], q_K1V[0])
   assert stat < crit, (stat, crit)
+
+
+def test_warm_layer_starts_as_the_target_layer_the_high_tap_feeds(tmp_path):
+  """Invariant (issue 18's warm start): with the high tap feeding the
+  target's last layer, a warm-started EAGLE-3 head over a causal sequence
+  reads out exactly the target's logits (restricted to Vd), whatever tokens
+  it is given -- its layer is that target layer on the tapped stream, the
+  token half of q/k/v is zero, ``fc`` passes the high tap through; packed
+  target weights give the same head."""
+  from specjax.models.hf_loader import load_hf
+  from specjax.training.train import init_head, warm_layer
+  from tests.tiny_hf import make_tiny
+  make_tiny("llama_gqa_tied", tmp_path, seed=3)
+  tcfg, tparams = load_hf(tmp_path)
+  hcfg = HeadConfig.for_target(tcfg, 30, taps=(0, 1, 2))
+  vocab = build_draft_vocab([np.arange(37)], 37, 30)
+  head = warm_layer(init_head(jax.random.key(0), hcfg, tparams, vocab), hcfg,
+                    tparams)
+  tok = jax.random.randint(jax.random.key(1), (2, 9), 0, 37)
+  out = llama.forward(tparams, tcfg, tok, llama.init_cache(tcfg, 2, 16,
+                                                           jnp.float32),
+                      taps=(0, 1, 2))
+  pos = jnp.broadcast_to(jnp.arange(9), (2, 9))
+  for given in (tok, jnp.zeros_like(tok)):
+    logits = Eagle3Head(hcfg).apply({"params": head},
+                                    jnp.concatenate(list(out.taps), -1),
+                                    given, tparams.embed, pos)
+    np.testing.assert_allclose(logits, out.logits[..., vocab.ids],
+                               rtol=1e-4, atol=1e-4)
+  packed = warm_layer(head, hcfg, llama.pack_params(tparams))
+  for a, b in zip(jax.tree.leaves(packed), jax.tree.leaves(head)):
+    np.testing.assert_array_equal(a, b)

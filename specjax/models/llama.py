@@ -137,15 +137,20 @@ def pack_params(params: LlamaParams) -> LlamaParams:
   return params.replace(layers=layers, lm_head=pk(lm_head_VD(params).T))
 
 
+def dense_weight(w) -> jax.Array:
+  """A ``[K, N]`` weight as an array, whether plain or packed."""
+  if isinstance(w, PackedWeight):
+    return native.unpack(w.panels, w.n).astype(jnp.float32)
+  return w
+
+
 def lm_head_VD(params: LlamaParams) -> jax.Array:
   """The output projection as ``[V, D]``, whether tied to ``embed``, plain
   or packed (``pack_params``)."""
   w = params.lm_head
   if w is None:
     return params.embed
-  if isinstance(w, PackedWeight):
-    return native.unpack(w.panels, w.n).T.astype(jnp.float32)
-  return w
+  return dense_weight(w).T if isinstance(w, PackedWeight) else w
 
 
 @struct.dataclass

@@ -31,6 +31,7 @@ from specjax.heads.export import save_head
 from specjax.heads.eagle import FROZEN, HeadConfig, head_module
 from specjax.training.ttt import head_loss, loss_rows, target_batch
 from specjax.heads.vocab import DraftVocab, build_draft_vocab, draft_rows
+from specjax.models import llama
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +71,9 @@ class TrainConfig:
       distinct count is one compile. ``max_len`` means all rows, one
       compile: the choice where the LM head is cheap and compiles are not
       (GPU).
+    init_layer: "random" (normal(0.02) layer weights) or "target": an
+      EAGLE-3 head's layer starts as the target layer its high tap feeds
+      (``warm_layer``).
     init_head: a head file (``export.save_head``) to start from, its
       parameters and draft vocabulary, instead of the warm-started random
       init: a run continued on another machine (a GPU lease returns the
@@ -102,9 +106,15 @@ class TrainConfig:
   regen_max_new_tokens: int = 384
   feature_cache: int = 0
   rows_bucket: int = 64
+  init_layer: str = "random"
   init_head: str = ""
 
   def __post_init__(self):
+    if self.init_layer not in ("random", "target"):
+      raise ValueError(f"init_layer must be random or target, got "
+                       f"{self.init_layer!r}")
+    if self.init_layer == "target" and self.variant != "eagle3":
+      raise ValueError("init_layer=target is for EAGLE-3 heads")
     for name in ("max_len", "batch_size", "steps", "ttt_steps", "medusa_heads",
                  "ttt_warm_steps", "draft_vocab", "rows_bucket", "log_every"):
       if getattr(self, name) < 1:
@@ -212,6 +222,37 @@ def init_head(key, hcfg: HeadConfig, target_params, vocab: DraftVocab):
   return params
 
 
+def warm_layer(params, hcfg: HeadConfig, target_params):
+  """An EAGLE-3 head whose layer starts as the target's layer ``taps[-1]``
+  (the one the high tap feeds): ``fc`` passes the high tap through, the
+  feature half of q/k/v, the attention output and the MLP are that layer's
+  weights, ``hidden_norm`` its input norm, and the embedding half of q/k/v
+  is zero. The head's output then starts as the target's residual stream
+  one layer past the high tap (after ``init_head``'s final norm and LM head:
+  the target's logits read out there), and training has to learn to use the
+  token it is given."""
+  D, N, G, H = (hcfg.target_dim, hcfg.num_heads, hcfg.num_kv_heads,
+                hcfg.head_dim)
+  layer = target_params.layers[hcfg.taps[-1]]
+  w = llama.dense_weight
+  if w(layer.wqkv).shape != (D, (N + 2 * G) * H):
+    raise ValueError("init_layer=target needs the target's attention shape")
+  feature_half = lambda x: jnp.concatenate([jnp.zeros_like(x), x], axis=0)
+  wq, wk, wv = jnp.split(w(layer.wqkv), [N * H, (N + G) * H], axis=1)
+  gate, up = jnp.split(w(layer.w_gate_up), 2, axis=1)
+  taps = len(hcfg.taps)
+  fc = jnp.zeros((taps * D, D)).at[(taps - 1) * D:].set(jnp.eye(D))
+  return {**params, "fc": {"kernel": fc},
+          "hidden_norm": {"scale": jnp.asarray(layer.attn_norm)},
+          "wq": {"kernel": feature_half(wq)},
+          "wk": {"kernel": feature_half(wk)},
+          "wv": {"kernel": feature_half(wv)},
+          "wo": {"kernel": w(layer.wo)},
+          "mlp_norm": {"scale": jnp.asarray(layer.mlp_norm)},
+          "w_gate": {"kernel": gate}, "w_up": {"kernel": up},
+          "w_down": {"kernel": w(layer.w_down)}}
+
+
 @dataclasses.dataclass
 class Run:
   """What ``train`` returns: the final params, the per-step losses of this
@@ -281,9 +322,11 @@ def setup(cfg: TrainConfig, *, model=None,
   vocab = build_draft_vocab(
       (r[m] for r, m in zip(train_ex.ids, train_ex.mask)), tcfg.vocab_size,
       min(vd, tcfg.vocab_size), always=tcfg.eos_ids)
-  hcfg = HeadConfig.for_target(tcfg, vocab.size, variant=cfg.variant, **(
-      dict(medusa_heads=cfg.medusa_heads) if cfg.variant == "medusa" else {}))
+  depths = dict(medusa_heads=cfg.medusa_heads) if cfg.variant == "medusa" else {}
+  hcfg = HeadConfig.for_target(tcfg, vocab.size, variant=cfg.variant, **depths)
   params = init_head(jax.random.key(cfg.seed), hcfg, model.params, vocab)
+  if cfg.init_layer == "target":
+    params = warm_layer(params, hcfg, model.params)
   return Setup(model, train_ex, heldout_ex, vocab, hcfg, params)
 
 
@@ -357,7 +400,8 @@ def train(cfg: TrainConfig, workdir: str, *, model=None,
   for step in bar:
     idx = edata.batch_indices(step, len(train_ex), cfg.batch_size, cfg.seed)
     ex = train_ex.take(idx)
-    # One compile per (TTT length, bucket of assistant positions).
+    # One compile per (TTT length or Medusa depths, bucket of assistant
+    # positions).
     K = s.hcfg.medusa_heads or cfg.ttt_at(step)
     step_fn = train_step(cfg, s.hcfg, K, loss_rows(
         ex.mask, cfg.batch_size * cfg.rows_bucket))
