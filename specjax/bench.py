@@ -315,7 +315,8 @@ def run(model: Model, methods_: Sequence[methods.MethodSpec | tuple],
                       verify_forward=round(costs.verify * 1e3, 3),
                       draft=round(costs.draft * 1e3, 3),
                       ar_step=round(ar_step_s * 1e3, 3)),
-        config=dataclasses.asdict(spec), git_sha=git_sha(),
+        config=dataclasses.asdict(spec),
+        head_id=methods.head_id(model.config.name, spec), git_sha=git_sha(),
         backend=jax.default_backend())
     results.append(result)
     if on_result:

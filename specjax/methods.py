@@ -167,26 +167,43 @@ def _draft_model(model: Model, spec: MethodSpec):
   return drafter, draft.params
 
 
-def _head(model: "Model", spec: MethodSpec):
-  """A head method's drafter: the head file (``spec.head`` or the shipped
-  one), packed for the native CPU path when the target is."""
+def head_file(model_name: str, spec: MethodSpec) -> str:
+  """The head file a head method drafts with: ``spec.head``, else the one
+  shipped for the model (``MethodError`` if none)."""
   import pathlib
+  if spec.head is not None:
+    return spec.head
+  shipped = SHIPPED_HEADS.get((model_name, spec.name))
+  path = shipped and pathlib.Path(__file__).parent / shipped
+  if not path or not path.is_file():
+    raise MethodError(
+        f"no {spec.name} head ships for {model_name!r} yet: train one "
+        f"(specjax train --config experiments/{HEADS[spec.name]}_smollm2.py "
+        "--workdir DIR) and pass --head DIR/head.npz")
+  return str(path)
 
+
+def head_id(model_name: str, spec: MethodSpec) -> Optional[str]:
+  """``name@digest`` of a head method's head file (what a result row was
+  measured with), None for other methods."""
+  if spec.name not in HEADS:
+    return None
+  import hashlib
+  import pathlib
+  path = pathlib.Path(head_file(model_name, spec))
+  return f"{path.name}@{hashlib.sha256(path.read_bytes()).hexdigest()[:12]}"
+
+
+def _head(model: "Model", spec: MethodSpec):
+  """A head method's drafter: the head file (``head_file``), packed for the
+  native CPU path when the target is."""
   import jax.numpy as jnp
 
   from specjax.heads.eagle import pack_head
   from specjax.heads.export import load_head
   from specjax.models.llama import is_packed
   variant = HEADS[spec.name]
-  path = spec.head
-  if path is None:
-    shipped = SHIPPED_HEADS.get((model.config.name, spec.name))
-    path = shipped and pathlib.Path(__file__).parent / shipped
-    if not path or not path.is_file():
-      raise MethodError(
-          f"no {spec.name} head ships for {model.config.name!r} yet: train "
-          f"one (specjax train --config experiments/{variant}_smollm2.py "
-          "--workdir DIR) and pass --head DIR/head.npz")
+  path = head_file(model.config.name, spec)
   try:
     cfg, head, draft_ids = load_head(path, model.config)
   except ValueError as e:

@@ -9,7 +9,7 @@ from specjax.sampling import SamplingParams
 CONTRACT = ("method", "dataset", "temperature", "num_prompts", "new_tokens",
             "tau", "acceptance_per_position", "tokens_per_s",
             "ar_tokens_per_s", "speedup", "greedy_identical", "time_split",
-            "config", "git_sha")
+            "config", "head_id", "git_sha")
 
 
 @pytest.mark.long
@@ -28,6 +28,7 @@ def test_bench_contract_on_smollm2(smollm2):
                     dataset="unit", on_result=seen.append, progress=False)
   assert seen == [res]
   assert all(k in res for k in CONTRACT)
+  assert res["head_id"] is None  # n-gram has no head; see the head test
   assert res["greedy_identical"] is True and res["rows_differing_from_ar"] == 0
   hist = np.array(res["accepted_length_histogram"])
   assert len(hist) == 4 and hist.sum() == res["target_forwards"]
@@ -85,3 +86,22 @@ def test_journal_resumes_a_cut_run(smollm2, tmp_path, monkeypatch):
   key = lambda w: bench._journal_key(smollm2, [(spec, drafter, {"w": w})],
                                      prompts, max_new_tokens=16)
   assert key(np.zeros(3)) == key(np.zeros(3)) != key(np.ones(3))
+
+
+def test_head_id_names_the_head_file_and_its_digest(tmp_path):
+  """Invariant: a head method's result rows carry ``name@digest`` of the
+  head file they were measured with (the shipped one by default), so two
+  heads with the same name are told apart; other methods carry None."""
+  shipped = methods.head_id("smollm2-135m", methods.MethodSpec("eagle3"))
+  assert shipped.startswith("smollm2-135m-eagle3.npz@") and len(
+      shipped.split("@")[1]) == 12
+  a, b = tmp_path / "a" / "head.npz", tmp_path / "b" / "head.npz"
+  for path, data in ((a, b"one"), (b, b"two")):
+    path.parent.mkdir()
+    path.write_bytes(data)
+  ids = [methods.head_id("smollm2-135m", methods.MethodSpec(
+      "medusa", head=str(p))) for p in (a, b)]
+  assert ids[0] != ids[1] and all(i.startswith("head.npz@") for i in ids)
+  assert methods.head_id("smollm2-135m", methods.MethodSpec("ngram")) is None
+  with pytest.raises(methods.MethodError, match="no medusa head ships"):
+    methods.head_id("smollm2-135m", methods.MethodSpec("medusa"))
