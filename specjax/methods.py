@@ -18,7 +18,8 @@ METHODS = ("ar", "ngram", "draft", "layerskip", "retrieval", "eagle", "eagle3",
 # Methods that draft with a trained head, and the head variant each loads.
 HEADS = {"eagle": "eagle1", "eagle3": "eagle3", "medusa": "medusa"}
 # Heads shipped inside the package, by (target model name, method).
-SHIPPED_HEADS = {("smollm2-135m", "eagle3"): "heads/smollm2-135m-eagle3.npz"}
+SHIPPED_HEADS = {("smollm2-135m", "eagle3"): "heads/smollm2-135m-eagle3.npz",
+                 ("smollm2-135m", "medusa"): "heads/smollm2-135m-medusa.npz"}
 
 
 class MethodError(ValueError):

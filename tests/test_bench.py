@@ -92,9 +92,10 @@ def test_head_id_names_the_head_file_and_its_digest(tmp_path):
   """Invariant: a head method's result rows carry ``name@digest`` of the
   head file they were measured with (the shipped one by default), so two
   heads with the same name are told apart; other methods carry None."""
-  shipped = methods.head_id("smollm2-135m", methods.MethodSpec("eagle3"))
-  assert shipped.startswith("smollm2-135m-eagle3.npz@") and len(
-      shipped.split("@")[1]) == 12
+  for name in ("eagle3", "medusa"):
+    shipped = methods.head_id("smollm2-135m", methods.MethodSpec(name))
+    assert shipped.startswith(f"smollm2-135m-{name}.npz@") and len(
+        shipped.split("@")[1]) == 12
   a, b = tmp_path / "a" / "head.npz", tmp_path / "b" / "head.npz"
   for path, data in ((a, b"one"), (b, b"two")):
     path.parent.mkdir()
@@ -103,5 +104,5 @@ def test_head_id_names_the_head_file_and_its_digest(tmp_path):
       "medusa", head=str(p))) for p in (a, b)]
   assert ids[0] != ids[1] and all(i.startswith("head.npz@") for i in ids)
   assert methods.head_id("smollm2-135m", methods.MethodSpec("ngram")) is None
-  with pytest.raises(methods.MethodError, match="no medusa head ships"):
-    methods.head_id("smollm2-135m", methods.MethodSpec("medusa"))
+  with pytest.raises(methods.MethodError, match="no eagle head ships"):
+    methods.head_id("smollm2-135m", methods.MethodSpec("eagle"))
