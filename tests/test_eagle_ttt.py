@@ -150,6 +150,49 @@ def test_head_config_must_fit_the_target():
       CFG.check_fits(bad)
 
 
+def greedy_batch(tparams, tcfg, hcfg, vocab, prompts, outputs) -> TTTBatch:
+  """A training batch of the target's own greedy continuations (prompt +
+  output per row, right-padded; the loss on the outputs only)."""
+  seqs = [p + o for p, o in zip(prompts, outputs)]
+  T = max(map(len, seqs))
+  tokens = jnp.asarray([s + [0] * (T - len(s)) for s in seqs], jnp.int32)
+  mask = jnp.asarray([[len(p) <= t < len(s) for t in range(T)]
+                      for p, s in zip(prompts, seqs)])
+  return target_batch(tparams, tcfg, hcfg, vocab, tokens, mask)
+
+
+def decoder(tparams, tcfg, prompts, max_new: int = 24):
+  """``run(dcfg, drafter_params=None) -> (new tokens per row, state)``:
+  ``engine.generate_jit`` on the ragged batch ``prompts`` (seed 0)."""
+  from specjax import bucketing, engine
+  prompt_BT, lengths = bucketing.pad_prompts(prompts)
+
+  def run(dcfg, dparams=None):
+    st = engine.generate_jit(tparams, prompt_BT, lengths, jax.random.key(0),
+                             np.int32(max_new), model_cfg=tcfg, dcfg=dcfg,
+                             drafter_params=dparams)
+    return [st.tokens[b, lengths[b]:st.num_tokens[b]].tolist()
+            for b in range(len(prompts))], st
+  return run
+
+
+def overfit(loss_fn, head, lr: float, steps: int):
+  """Adam on ``loss_fn(head) -> (loss, metrics)``: ``(head, (loss, metrics)
+  at the first step, (loss, metrics) at the last)``."""
+  opt = optax.adam(lr)
+
+  @jax.jit
+  def fit(head, opt_state):
+    (loss, m), g = jax.value_and_grad(loss_fn, has_aux=True)(head)
+    upd, opt_state = opt.update(g, opt_state, head)
+    return optax.apply_updates(head, upd), opt_state, (loss, m)
+
+  head, opt_state, first = fit(head, opt.init(head))
+  for _ in range(steps):
+    head, opt_state, last = fit(head, opt_state)
+  return head, first, last
+
+
 @pytest.mark.long
 @pytest.mark.parametrize("variant", ["eagle3", "eagle1"])
 def test_eagle_chain_drafting_greedy_identity(tmp_path, variant):
@@ -165,7 +208,7 @@ def test_eagle_chain_drafting_greedy_identity(tmp_path, variant):
   EAGLE-2 dynamic trees too (width 3 cut to 7 nodes; width 2, all 10
   candidates) and for the static tree 2x2x1: the tree's head blocks,
   ancestor masks and the features gathered along the accepted path."""
-  from specjax import bucketing, engine
+  from specjax import engine
   from specjax.drafters.eagle import EagleDrafter, EagleParams
   from specjax.training.train import init_head
   from specjax.models.hf_loader import load_hf
@@ -178,15 +221,7 @@ def test_eagle_chain_drafting_greedy_identity(tmp_path, variant):
   head = init_head(jax.random.key(0), hcfg, tparams, vocab)
   prompts = [[5, 6, 7, 8, 5, 6, 7], [9, 1, 9], [3, 4, 3, 4, 3, 4, 3, 4, 3, 4],
              [20]]
-  prompt_BT, lengths = bucketing.pad_prompts(prompts)
-
-  def run(dcfg, dparams=None):
-    st = engine.generate_jit(tparams, prompt_BT, lengths, jax.random.key(0),
-                             np.int32(24), model_cfg=tcfg, dcfg=dcfg,
-                             drafter_params=dparams)
-    return [st.tokens[b, lengths[b]:st.num_tokens[b]].tolist()
-            for b in range(4)], st
-
+  run = decoder(tparams, tcfg, prompts)
   ar, _ = run(engine.DecodeConfig(capacity=64))
   k = 3
   dparams = EagleParams(head=head, draft_ids=jnp.asarray(vocab.ids),
@@ -211,26 +246,10 @@ def test_eagle_chain_drafting_greedy_identity(tmp_path, variant):
   # Overfit the head on the target's own greedy continuations: if training
   # and drafting paired features, tokens and positions differently, drafts
   # would still be rejected.
-  seqs = [p + o for p, o in zip(prompts, ar)]
-  T = max(map(len, seqs))
-  tokens = jnp.asarray([s + [0] * (T - len(s)) for s in seqs], jnp.int32)
-  mask = jnp.asarray([[len(p) <= t < len(s) for t in range(T)]
-                      for p, s in zip(prompts, seqs)])
-  batch = target_batch(tparams, tcfg, hcfg, vocab, tokens, mask)
-  opt = optax.adam(3e-3)
-  opt_state = opt.init(head)
-
-  @jax.jit
-  def fit(head, opt_state):
-    (loss, m), g = jax.value_and_grad(
-        lambda p: ttt_loss(p, hcfg, tparams.embed, batch, k),
-        has_aux=True)(head)
-    upd, opt_state = opt.update(g, opt_state, head)
-    return optax.apply_updates(head, upd), opt_state, loss, m
-
-  head, opt_state, loss0, m0 = fit(head, opt_state)
-  for _ in range(150):
-    head, opt_state, loss, m = fit(head, opt_state)
+  batch = greedy_batch(tparams, tcfg, hcfg, vocab, prompts, ar)
+  mask, T = batch.loss_mask, batch.tokens.shape[1]
+  head, (loss0, m0), (loss, m) = overfit(
+      lambda p: ttt_loss(p, hcfg, tparams.embed, batch, k), head, 3e-3, 150)
   if variant == "eagle3":  # soft CE cannot go below the target's entropy
     floor = 0.0
     for j in range(k):

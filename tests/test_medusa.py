@@ -6,7 +6,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from specjax import bucketing, engine, tree
@@ -15,7 +14,8 @@ from specjax.heads.eagle import HeadConfig
 from specjax.heads.medusa import MedusaHead
 from specjax.heads.vocab import build_draft_vocab
 from specjax.sampling import SamplingParams
-from specjax.training.ttt import TTTBatch, loss_rows, medusa_loss, target_batch
+from specjax.training.ttt import TTTBatch, loss_rows, medusa_loss
+from tests.test_eagle_ttt import decoder, greedy_batch, overfit
 
 # D=24, V=37, Vd=29, T=11, 3 depths; the tap is the last layer's output.
 CFG = HeadConfig(target_dim=24, target_vocab=37, target_layers=3, taps=(3,),
@@ -148,16 +148,9 @@ def test_medusa_greedy_identity_and_trained_acceptance(tmp_path):
   cfg = dataclasses.replace(CFG, draft_vocab=37)
   vocab = build_draft_vocab([np.arange(37)], 37, 37)
   head = init_head(jax.random.key(0), cfg, tparams, vocab)
-  prompt_BT, lengths = bucketing.pad_prompts(PROMPTS)
-
-  def run(dcfg, head=None):
-    dparams = head and MedusaParams(head=head,
-                                    draft_ids=jnp.asarray(vocab.ids))
-    st = engine.generate_jit(tparams, prompt_BT, lengths, jax.random.key(0),
-                             np.int32(24), model_cfg=tcfg, dcfg=dcfg,
-                             drafter_params=dparams)
-    return [st.tokens[b, lengths[b]:st.num_tokens[b]].tolist()
-            for b in range(4)], st
+  decode = decoder(tparams, tcfg, PROMPTS)
+  run = lambda dcfg, head=None: decode(dcfg, head and MedusaParams(
+      head=head, draft_ids=jnp.asarray(vocab.ids)))
 
   ar, _ = run(engine.DecodeConfig(capacity=64))
   chain = engine.DecodeConfig(capacity=64, drafter=MedusaDrafter(cfg),
@@ -168,25 +161,9 @@ def test_medusa_greedy_identity_and_trained_acceptance(tmp_path):
   for dcfg in (chain, static):
     assert run(dcfg, head)[0] == ar
 
-  seqs = [p + o for p, o in zip(PROMPTS, ar)]
-  L = max(map(len, seqs))
-  tokens = jnp.asarray([s + [0] * (L - len(s)) for s in seqs], jnp.int32)
-  mask = jnp.asarray([[len(p) <= t < len(s) for t in range(L)]
-                      for p, s in zip(PROMPTS, seqs)])
-  batch = target_batch(tparams, tcfg, cfg, vocab, tokens, mask)
-  opt = optax.adam(1e-2)
-
-  @jax.jit
-  def fit(head, opt_state):
-    (loss, m), g = jax.value_and_grad(
-        lambda p: medusa_loss(p, cfg, batch), has_aux=True)(head)
-    upd, opt_state = opt.update(g, opt_state, head)
-    return optax.apply_updates(head, upd), opt_state, m
-
-  opt_state = opt.init(head)
-  head, opt_state, m0 = fit(head, opt_state)
-  for _ in range(200):
-    head, opt_state, m = fit(head, opt_state)
+  batch = greedy_batch(tparams, tcfg, cfg, vocab, PROMPTS, ar)
+  head, (_, m0), (_, m) = overfit(lambda p: medusa_loss(p, cfg, batch), head,
+                                  1e-2, 200)
   assert (np.asarray(m["acc"]) > np.maximum(np.asarray(m0["acc"]) + 0.15,
                                             0.85)).all(), (m0["acc"],
                                                            m["acc"])
