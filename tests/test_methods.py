@@ -52,7 +52,7 @@ def test_static_tree_shape_sets_nodes_and_depth(smollm2):
   assert spec.label() == "eagle3(K=3, tree 2x2x1)"
   drafter, _ = methods.build(smollm2, spec)
   assert drafter.tree_shape == (0, 0, 0, 1, 1, 2, 2, 3, 4, 5, 6)
-  with pytest.raises(methods.MethodError, match="for EAGLE heads"):
+  with pytest.raises(methods.MethodError, match="for EAGLE and Medusa heads"):
     methods.build(smollm2, methods.MethodSpec("ngram", tree_shape="2"))
 
 
