@@ -135,6 +135,7 @@ def test_medusa_drafts_each_depths_top_k(tmp_path):
                                SamplingParams())
 
 
+@pytest.mark.long
 def test_medusa_greedy_identity_and_trained_acceptance(tmp_path):
   """Invariants on a tiny target, ragged batch of 4, chain K = 3 and the
   static tree 2x2x1: (1) at T = 0 the output equals AR token for token with
