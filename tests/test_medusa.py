@@ -10,7 +10,7 @@ import pytest
 
 from specjax import bucketing, engine, tree
 from specjax.drafters.medusa import MedusaDrafter, MedusaParams
-from specjax.heads.eagle import HeadConfig
+from specjax.heads.eagle import HeadConfig, head_call
 from specjax.heads.medusa import MedusaHead
 from specjax.heads.vocab import build_draft_vocab
 from specjax.sampling import SamplingParams
@@ -54,7 +54,7 @@ def test_medusa_loss_scores_depth_k_against_token_t_plus_2_plus_k():
       target_logits=2 * jax.random.normal(k[2], (B, T, 29)),
       target_in_vocab=jax.random.uniform(k[3], (B, T)) < 0.8,
       loss_mask=jnp.arange(T)[None, :] >= jnp.array([[3], [5]]))
-  call = lambda m, *a: MedusaHead(CFG).apply({"params": params}, *a, method=m)
+  call = head_call(CFG, params)
   out = call("outputs", call("features", batch.taps))
   shift = lambda a, s: jnp.concatenate(
       [a[:, s:], jnp.zeros((B, s) + a.shape[2:], a.dtype)], axis=1)
@@ -111,8 +111,7 @@ def test_medusa_drafts_each_depths_top_k(tmp_path):
   for b, p in enumerate(prompts):
     out = llama.forward(tparams, tcfg, jnp.asarray([p]), llama.init_cache(
         tcfg, 1, 16, jnp.float32), taps=(3,))
-    call = lambda m, *a: MedusaHead(cfg).apply({"params": dparams.head}, *a,
-                                               method=m)
+    call = head_call(cfg, dparams.head)
     h = call("features", out.taps[0][:, len(p) - 1])
     want.append(np.argsort(-np.asarray(call("logits", call("outputs", h))[0]),
                            axis=-1))

@@ -42,7 +42,7 @@ from specjax.cache import KVCache, write_kv
 from specjax import tree as trees
 from specjax.drafters.base import Proposal, TreeProposal
 from specjax.drafters.chain import draft_chain
-from specjax.heads.eagle import HeadConfig, head_module
+from specjax.heads.eagle import HeadConfig, head_call
 from specjax.heads.vocab import full_vocab_logits
 from specjax.models import llama
 
@@ -106,8 +106,7 @@ class EagleDrafter:
     return self.cfg.taps
 
   def _call(self, params: EagleParams, method, *args):
-    return head_module(self.cfg).apply({"params": params.head}, *args,
-                                       method=method)
+    return head_call(self.cfg, params.head)(method, *args)
 
   def _run(self, params, state: EagleState, tok_BT, h_BTD, slots_BT=None,
            positions_BT=None, visible_BTS=None):

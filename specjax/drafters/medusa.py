@@ -32,7 +32,7 @@ from flax import struct
 from specjax import tree as trees
 from specjax.drafters.base import Proposal, TreeProposal
 from specjax.drafters.chain import draft_chain
-from specjax.heads.eagle import HeadConfig, head_module
+from specjax.heads.eagle import HeadConfig, head_call
 from specjax.heads.vocab import full_vocab_logits
 
 
@@ -104,8 +104,7 @@ class MedusaDrafter:
                        f"{self.cfg.medusa_heads} depths")
     at_B11 = (num_tokens_B - 2 - state.start)[:, None, None]
     taps_B1F = jnp.take_along_axis(state.hidden, at_B11, axis=1)
-    call = lambda method, *a: head_module(self.cfg).apply(
-        {"params": params.head}, *a, method=method)
+    call = head_call(self.cfg, params.head)
     out_BKD = call("outputs", call("features", taps_B1F))[:, 0, :num_draft]
     return (call("logits", out_BKD),
             state.replace(start=num_tokens_B - 1))

@@ -246,6 +246,15 @@ def head_module(cfg: HeadConfig) -> nn.Module:
   return (Eagle1Head if cfg.variant == "eagle1" else Eagle3Head)(cfg)
 
 
+def head_call(cfg: HeadConfig, params):
+  """``call(method, *args)``: the head's method (``features``, ``project``,
+  ``logits``, ...) applied with ``params`` -- how drafting and training run
+  a head piece by piece."""
+  module = head_module(cfg)
+  return lambda method, *args: module.apply({"params": params}, *args,
+                                            method=method)
+
+
 def _layer(m):
   """The decoder layer's attention and SwiGLU weights (both variants)."""
   c = m.cfg

@@ -34,7 +34,7 @@ import optax
 from flax import struct
 
 from specjax.training.fused_ce import fused_soft_ce
-from specjax.heads.eagle import HeadConfig, head_module
+from specjax.heads.eagle import HeadConfig, head_call
 from specjax.heads.vocab import DraftVocab
 from specjax.models import llama
 from specjax.models.config import ModelConfig
@@ -154,8 +154,7 @@ def ttt_loss(params, cfg: HeadConfig, embed_VD, batch: TTTBatch,
   whose next token is an assistant token, counted or not (``count[0] /
   assistant`` is the draft vocabulary's coverage of the target's argmax).
   """
-  head = head_module(cfg)
-  call = lambda method, *a: head.apply({"params": params}, *a, method=method)
+  call = head_call(cfg, params)
   B, T = batch.tokens.shape
   K = num_steps
   p = _shifted(batch, K)
@@ -271,8 +270,7 @@ def medusa_loss(params, cfg: HeadConfig, batch: TTTBatch, decay: float = 0.8,
   target's hidden state at t (no recurrence, no attention). ``rows`` as in
   ``ttt_loss``. Returns ``(loss, metrics)`` shaped as ``ttt_loss``'s, one
   entry per depth."""
-  head = head_module(cfg)
-  call = lambda method, *a: head.apply({"params": params}, *a, method=method)
+  call = head_call(cfg, params)
   B, T = batch.tokens.shape
   K = cfg.medusa_heads
   p = _shifted(batch, K)
