@@ -106,8 +106,8 @@ def main(argv=None) -> int:
   if args.level == "forward":
     tokens = (1, 2, 4, 8, 16)
     calls = forward_calls(model, ints(args.batch), tokens)
-    read, args = weight_read(weights_KN(model.params))
-    calls["read"] = lambda: read(*args)
+    read, read_args = weight_read(weights_KN(model.params))
+    calls["read"] = lambda: read(*read_args)
     ms = time_round_robin(calls, args.repeats)
     B1 = ints(args.batch)[0]
     out["read_ms"] = round(ms["read"], 2)

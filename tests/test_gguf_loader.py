@@ -169,24 +169,23 @@ def _expected_hf_weights(model, qtype: QType) -> dict[str, np.ndarray]:
 
 def _params_as_hf(params, cfg) -> dict[str, np.ndarray]:
   """Splits loaded (fused, transposed) params back into HF tensors."""
-  NH, GH = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
   out = {"model.embed_tokens.weight": np.asarray(params.embed),
          "model.norm.weight": np.asarray(params.final_norm)}
   if params.lm_head is not None:
     out["lm_head.weight"] = np.asarray(params.lm_head)
   for i, lp in enumerate(jax.tree_util.tree_map(np.asarray, params.layers)):
     p = f"model.layers.{i}."
-    qkv = lp.wqkv.T
-    gate_up = lp.w_gate_up.T
+    q, k, v = llama.split_qkv(lp.wqkv, cfg.num_kv_heads, cfg.head_dim)
+    gate, up = llama.split_gate_up(lp.w_gate_up)
     out.update({
         p + "input_layernorm.weight": lp.attn_norm,
-        p + "self_attn.q_proj.weight": qkv[:NH],
-        p + "self_attn.k_proj.weight": qkv[NH:NH + GH],
-        p + "self_attn.v_proj.weight": qkv[NH + GH:],
+        p + "self_attn.q_proj.weight": q.T,
+        p + "self_attn.k_proj.weight": k.T,
+        p + "self_attn.v_proj.weight": v.T,
         p + "self_attn.o_proj.weight": lp.wo.T,
         p + "post_attention_layernorm.weight": lp.mlp_norm,
-        p + "mlp.gate_proj.weight": gate_up[:cfg.ffn_dim],
-        p + "mlp.up_proj.weight": gate_up[cfg.ffn_dim:],
+        p + "mlp.gate_proj.weight": gate.T,
+        p + "mlp.up_proj.weight": up.T,
         p + "mlp.down_proj.weight": lp.w_down.T,
     })
   return out

@@ -12,7 +12,12 @@ buffers (in place when the cache is donated) and then attends over the cache.
 
 Axis letters: see ``specjax/__init__.py``. Q, K, V projections are fused into
 one ``[D, (N + 2G) H]`` matmul and gate/up into one ``[D, 2F]`` matmul: on the
-CPU decode is bound by weight reads and launch overhead, fewer dots help.
+CPU decode is bound by weight reads and launch overhead, fewer dots help. The
+fused output columns are ordered so that any split of them into equal blocks
+along kv heads (q/k/v: group by group, each group's R query heads then its key
+and value head) or along F (gate/up: interleaved per FFN unit) keeps every
+block self-contained: tensor parallelism over a mesh's ``model`` axis
+(``specjax.sharding``) needs no communication inside a projection.
 """
 
 from __future__ import annotations
@@ -39,11 +44,12 @@ class LayerParams:
 
   Attributes:
     attn_norm: ``[D]``.
-    wqkv: ``[D, (N + 2G) H]`` fused q/k/v projection (HF rotate-half layout).
-    bqkv: ``[(N + 2G) H]`` or None (no bias).
+    wqkv: ``[D, G (R + 2) H]`` fused q/k/v projection, group-major
+      (``fuse_qkv``; HF rotate-half layout within a head).
+    bqkv: ``[G (R + 2) H]`` or None (no bias), the same order.
     wo: ``[N H, D]``.
     mlp_norm: ``[D]``.
-    w_gate_up: ``[D, 2F]`` gate then up.
+    w_gate_up: ``[D, F 2]`` gate and up interleaved (``fuse_gate_up``).
     w_down: ``[F, D]``.
   """
   attn_norm: jax.Array
@@ -94,6 +100,43 @@ class LlamaParams:
   layers: tuple[LayerParams, ...]
   final_norm: jax.Array
   lm_head: Optional[jax.Array]
+
+
+def fuse_qkv(wq, wk, wv, num_kv_heads: int):
+  """q/k/v projections (output features last: ``[..., N H]``, ``[..., G H]``,
+  ``[..., G H]``) as one ``[..., G (R + 2) H]``: for each kv head g, its R
+  query heads (``n = g R + r``, GQA's grouping), its key, its value."""
+  xp = np if isinstance(wq, np.ndarray) else jnp
+  *lead, NH = wq.shape
+  G = num_kv_heads
+  H = wk.shape[-1] // G
+  group = lambda w: w.reshape(*lead, G, -1, H)
+  return xp.concatenate([group(wq), group(wk), group(wv)], axis=-2).reshape(
+      *lead, NH + 2 * G * H)
+
+
+def split_qkv(wqkv, num_kv_heads: int, head_dim: int):
+  """``fuse_qkv``'s inverse: ``(wq [..., N H], wk [..., G H], wv)``."""
+  *lead, _ = wqkv.shape
+  G, H = num_kv_heads, head_dim
+  w = wqkv.reshape(*lead, G, -1, H)
+  R = w.shape[-2] - 2
+  return (w[..., :R, :].reshape(*lead, G * R * H),
+          w[..., R, :].reshape(*lead, G * H), w[..., R + 1, :].reshape(
+              *lead, G * H))
+
+
+def fuse_gate_up(gate, up):
+  """``[..., F]`` gate and up as one ``[..., F 2]`` (unit f's pair side by
+  side)."""
+  xp = np if isinstance(gate, np.ndarray) else jnp
+  return xp.stack([gate, up], axis=-1).reshape(*gate.shape[:-1], -1)
+
+
+def split_gate_up(w):
+  """``fuse_gate_up``'s inverse: ``(gate, up)``."""
+  pairs = w.reshape(*w.shape[:-1], -1, 2)
+  return pairs[..., 0], pairs[..., 1]
 
 
 def random_params(key: jax.Array, cfg: ModelConfig, scale: float = 0.02,
@@ -215,11 +258,15 @@ def rope(positions_BT: jax.Array, inv_freq_h: np.ndarray):
 
 def apply_rope(x_BTnH: jax.Array, cos_BTH: jax.Array,
                sin_BTH: jax.Array) -> jax.Array:
-  """Half-split ("rotate_half") RoPE over the last axis, math in f32."""
+  """Half-split ("rotate_half") RoPE over the last axis of ``[B, T, ..., H]``
+  (any head axes between), math in f32."""
   half = x_BTnH.shape[-1] // 2
   x = x_BTnH.astype(jnp.float32)
   x1, x2 = x[..., :half], x[..., half:]
-  cos, sin = cos_BTH[:, :, None, :half], sin_BTH[:, :, None, :half]
+  B, T = cos_BTH.shape[:2]
+  heads = (1,) * (x.ndim - 3)  # any head axes between T and H
+  cos = cos_BTH[..., :half].reshape(B, T, *heads, half)
+  sin = sin_BTH[..., :half].reshape(B, T, *heads, half)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x_BTnH.dtype)
 
@@ -345,7 +392,7 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens_BT: jax.Array,
   cos_BTH, sin_BTH = rope(positions_BT, rope_inv_freq(
       cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
 
-  N, G, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  N, G, H, R = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.group_size
   x_BTD = jnp.take(params.embed, tokens_BT, axis=0)
   hidden, ks, vs, new_kv = [], list(cache.k), list(cache.v), []
   for i, lp in enumerate(params.layers):
@@ -354,10 +401,10 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens_BT: jax.Array,
     qkv = linear(h, lp.wqkv)
     if lp.bqkv is not None:
       qkv = qkv + lp.bqkv[None, None, :]
-    qk = apply_rope(qkv[..., :(N + G) * H].reshape(B, T, N + G, H), cos_BTH,
-                    sin_BTH)
-    q, k = qk[:, :, :N], qk[:, :, N:]
-    v = qkv[..., (N + G) * H:].reshape(B, T, G, H)
+    qkv_BTGJH = qkv.reshape(B, T, G, R + 2, H)  # fuse_qkv's order
+    qk = apply_rope(qkv_BTGJH[:, :, :, :R + 1], cos_BTH, sin_BTH)
+    q, k = qk[:, :, :, :R].reshape(B, T, N, H), qk[:, :, :, R]
+    v = qkv_BTGJH[:, :, :, R + 1]
     if write_cache:
       # Write first, then attend (over the prefix): reading the buffers
       # before the write would make XLA copy them to keep the old values.
@@ -368,7 +415,7 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens_BT: jax.Array,
             attention(q, ks[i], vs[i], prefix_B1S, new=(k, v, mask_BQT)))
     x_BTD = x_BTD + linear(attn, lp.wo)
     h = rms_norm(x_BTD, lp.mlp_norm, cfg.norm_eps)
-    gate, up = jnp.split(linear(h, lp.w_gate_up), 2, axis=-1)
+    gate, up = split_gate_up(linear(h, lp.w_gate_up))
     x_BTD = x_BTD + linear(jax.nn.silu(gate) * up, lp.w_down)
   hidden.append(x_BTD)
   new_cache = KVCache(k=tuple(ks), v=tuple(vs),

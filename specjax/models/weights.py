@@ -3,7 +3,7 @@
 Both loaders (GGUF, HF safetensors) reduce their file format to one getter,
 ``get(hf_name) -> np.ndarray`` in transformers' naming and ``(out, in)`` layout;
 this module checks shapes, transposes to ``x @ W`` layout, fuses q/k/v and
-gate/up, one ``LayerParams`` per layer.
+gate/up (``llama.fuse_qkv``, ``fuse_gate_up``), one ``LayerParams`` per layer.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.models.config import ModelConfig
-from specjax.models.llama import LayerParams, LlamaParams
+from specjax.models.llama import (LayerParams, LlamaParams, fuse_gate_up,
+                                  fuse_qkv)
 
 Getter = Callable[[str], Optional[np.ndarray]]
 
@@ -47,19 +48,19 @@ def params_from_getter(get: Getter, cfg: ModelConfig,
     v = _need(get, p + "self_attn.v_proj.weight", (GH, D))
     bias = None
     if cfg.qkv_bias:
-      bias = np.concatenate([
-          _need(get, p + "self_attn.q_proj.bias", (NH,)),
-          _need(get, p + "self_attn.k_proj.bias", (GH,)),
-          _need(get, p + "self_attn.v_proj.bias", (GH,))])
+      bias = fuse_qkv(_need(get, p + "self_attn.q_proj.bias", (NH,)),
+                      _need(get, p + "self_attn.k_proj.bias", (GH,)),
+                      _need(get, p + "self_attn.v_proj.bias", (GH,)),
+                      cfg.num_kv_heads)
     gate = _need(get, p + "mlp.gate_proj.weight", (F, D))
     up = _need(get, p + "mlp.up_proj.weight", (F, D))
     w = dict(
         attn_norm=_need(get, p + "input_layernorm.weight", (D,)),
-        wqkv=np.concatenate([q, k, v], axis=0).T,
+        wqkv=fuse_qkv(q.T, k.T, v.T, cfg.num_kv_heads),
         bqkv=bias,
         wo=_need(get, p + "self_attn.o_proj.weight", (D, NH)).T,
         mlp_norm=_need(get, p + "post_attention_layernorm.weight", (D,)),
-        w_gate_up=np.concatenate([gate, up], axis=0).T,
+        w_gate_up=fuse_gate_up(gate.T, up.T),
         w_down=_need(get, p + "mlp.down_proj.weight", (D, F)).T)
     layers.append(LayerParams(**{
         name: None if x is None else jnp.asarray(x, dtype)

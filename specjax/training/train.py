@@ -238,8 +238,8 @@ def warm_layer(params, hcfg: HeadConfig, target_params):
   if w(layer.wqkv).shape != (D, (N + 2 * G) * H):
     raise ValueError("init_layer=target needs the target's attention shape")
   feature_half = lambda x: jnp.concatenate([jnp.zeros_like(x), x], axis=0)
-  wq, wk, wv = jnp.split(w(layer.wqkv), [N * H, (N + G) * H], axis=1)
-  gate, up = jnp.split(w(layer.w_gate_up), 2, axis=1)
+  wq, wk, wv = llama.split_qkv(w(layer.wqkv), G, H)
+  gate, up = llama.split_gate_up(w(layer.w_gate_up))
   taps = len(hcfg.taps)
   fc = jnp.zeros((taps * D, D)).at[(taps - 1) * D:].set(jnp.eye(D))
   return {**params, "fc": {"kernel": fc},
