@@ -126,6 +126,11 @@ def _add_model_args(p, several: bool = False):
   p.add_argument("--head", default=None,
                  help="--method eagle, eagle3, medusa: a head file (default: "
                  "the shipped one)")
+  p.add_argument("--mesh", default=None, metavar="data=D,model=M",
+                 help="decode over a device mesh: rows split over D devices, "
+                 "the target tensor-parallel over M (D x M = the device "
+                 "count; on a CPU, XLA_FLAGS="
+                 "--xla_force_host_platform_device_count=N makes N)")
 
 
 def _add_sampling_args(p):
@@ -219,12 +224,17 @@ def _sampling(args):
     raise UsageError(f"--{field.replace('_', '-')} {rest}") from None
 
 
-def _load(name: str):
+def _load(name: str, mesh_spec: Optional[str] = None):
+  from specjax import sharding
   from specjax.assets import AssetError
   from specjax.models.registry import load_model
   from specjax.models.weights import WeightError
   try:
-    return load_model(name)
+    mesh = None if mesh_spec is None else sharding.make_mesh(mesh_spec)
+  except sharding.MeshError as e:
+    raise UsageError(f"--mesh: {e}") from None
+  try:
+    return load_model(name, mesh=mesh)
   except (AssetError, WeightError, ValueError, OSError) as e:
     raise UsageError(str(e)) from None
 
@@ -252,7 +262,7 @@ def cmd_generate(args) -> int:
   spec = specs[0]
   sampling = _sampling(args)
   prompts = _read_prompts(args)
-  model = _load(args.model)
+  model = _load(args.model, args.mesh)
   ids = _encode(model, prompts, chat=not args.no_chat_template)
   _check_fits(model, ids, args.max_new_tokens, spec.k)
   drafter, drafter_params = _build(model, spec)
@@ -321,7 +331,7 @@ def cmd_bench(args) -> int:
     prompts = data.load_prompts(args.dataset, args.num_prompts)
   except (data.DataError, data.AssetError) as e:
     raise UsageError(str(e)) from None
-  model = _load(args.model)
+  model = _load(args.model, args.mesh)
   ids = _encode(model, prompts, chat=args.dataset != "humaneval")
   _check_fits(model, ids, args.max_new_tokens, max(s.k for s in specs))
   built = [(s, *_build(model, s)) for s in specs]  # bad knobs fail here
@@ -401,7 +411,8 @@ def cmd_train(args) -> int:
   if args.time_limit is not None and not args.time_limit > 0:
     raise UsageError(f"--time-limit must be > 0 seconds, got {args.time_limit}")
   deadline = None if args.time_limit is None else time.time() + args.time_limit
-  model = _load(cfg.model)  # a bad model fails here, before any data work
+  # A bad model or mesh fails here, before any data work.
+  model = _load(cfg.model, cfg.mesh or None)
   run = train.train(cfg, args.workdir, model=model, stop_after=args.stop_after,
                     deadline=deadline)
   print(json.dumps(dict(step=run.step, workdir=args.workdir,

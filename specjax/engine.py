@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax import tree as trees
+from specjax import sharding, tree as trees
 from specjax.cache import KVCache
 from specjax.drafters.base import Drafter, Proposal, TreeDrafter
 from specjax.models import llama
@@ -61,6 +61,10 @@ class DecodeConfig:
       path.
     tree_nodes: 0 for chains; else a tree step with up to this many drafted
       nodes per row (the drafter must be a ``TreeDrafter``).
+    mesh: a ``jax.sharding.Mesh`` (``sharding.make_mesh``) the state is laid
+      out on (``sharding.state_specs``: rows over ``data``, the cache's kv
+      heads over ``model``), with the parameters placed by
+      ``sharding.shard_params``; None: wherever XLA puts it (one device).
   """
   capacity: int
   sampling: SamplingParams = SamplingParams()
@@ -68,6 +72,7 @@ class DecodeConfig:
   drafter: Optional[Drafter] = None
   num_draft: int = 0
   tree_nodes: int = 0
+  mesh: Optional[jax.sharding.Mesh] = None
 
   def __post_init__(self):
     if self.tree_nodes and not isinstance(self.drafter, TreeDrafter):
@@ -130,6 +135,16 @@ class DecodeState:
   @property
   def num_new_tokens(self) -> jax.Array:
     return self.num_tokens - self.prompt_lengths
+
+
+def _laid_out(state: DecodeState, model_cfg: ModelConfig,
+              dcfg: DecodeConfig) -> DecodeState:
+  """The state pinned to ``dcfg.mesh``'s layout (a no-op without one), so
+  the loop carry keeps one sharding from step to step."""
+  if dcfg.mesh is None:
+    return state
+  return sharding.constrain(
+      state, sharding.state_specs(state, model_cfg, dcfg.mesh), dcfg.mesh)
 
 
 def _update_stops(state: DecodeState, hit_eos_B: jax.Array,
@@ -209,6 +224,9 @@ def prefill(params: llama.LlamaParams, prompt_BT: jax.Array,
     raise ValueError(f"prompt bucket {Tp} must be below cache capacity {S}")
   lengths = jnp.asarray(prompt_lengths_B, jnp.int32)
   cache = llama.init_cache(model_cfg, B, S, params.embed.dtype)
+  if dcfg.mesh is not None:
+    cache = sharding.constrain(
+        cache, sharding.cache_specs(cache, model_cfg, dcfg.mesh), dcfg.mesh)
   taps = _feature_taps(dcfg)
   out = llama.forward(params, model_cfg, prompt_BT, cache, taps=taps,
                       logit_positions_BP=(lengths - 1)[:, None])
@@ -230,7 +248,8 @@ def prefill(params: llama.LlamaParams, prompt_BT: jax.Array,
       num_forwards=zeros_B,
       num_drafted=zeros_B, accepted_at=jnp.zeros((B, dcfg.k), jnp.int32),
       accepted_nodes=jnp.zeros((B, dcfg.tree_nodes), jnp.int32))
-  return _update_stops(state, _is_eos(first_B, dcfg), dcfg)
+  return _laid_out(_update_stops(state, _is_eos(first_B, dcfg), dcfg),
+                   model_cfg, dcfg)
 
 
 def _propose(drafter_params, state: DecodeState, dcfg: DecodeConfig,
@@ -325,7 +344,8 @@ def step(params: llama.LlamaParams, state: DecodeState, *,
   tokens, lengths and statistics do not move.
   """
   step_fn = _tree_step if dcfg.tree_nodes else _chain_step
-  return step_fn(params, state, model_cfg, dcfg, drafter_params)
+  return _laid_out(step_fn(params, state, model_cfg, dcfg, drafter_params),
+                   model_cfg, dcfg)
 
 
 def _chain_step(params, state: DecodeState, model_cfg: ModelConfig,

@@ -15,7 +15,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from specjax import bucketing, engine
+from specjax import bucketing, engine, sharding
 from specjax.models.registry import Model
 from specjax.sampling import SamplingParams
 
@@ -77,7 +77,8 @@ def decode_config(model: Model, prompt_bucket: int, max_new_tokens: int,
   k = num_draft if drafter is not None else 0
   dcfg = engine.DecodeConfig(capacity=0, sampling=sampling,
                              eos_ids=model.config.eos_ids, drafter=drafter,
-                             num_draft=k, tree_nodes=tree_nodes if k else 0)
+                             num_draft=k, tree_nodes=tree_nodes if k else 0,
+                             mesh=model.mesh)
   return dataclasses.replace(dcfg, capacity=bucketing.capacity_for(
       prompt_bucket, max_new_tokens, extra=dcfg.block))
 
@@ -90,6 +91,8 @@ def generate_ids(model: Model, prompts: Sequence[Sequence[int]], *,
 
   Each (batch, prompt bucket, capacity, config) shape is compiled once per
   process, ahead of the timed call, so ``wall_s`` never includes compilation.
+  A model loaded onto a mesh (``Model.mesh``) decodes over all of it: the
+  rows split over its ``data`` axis, drafter parameters replicated.
   """
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -103,6 +106,10 @@ def generate_ids(model: Model, prompts: Sequence[Sequence[int]], *,
                        drafter, num_draft, tree_nodes)
   args = (model.params, prompt_BT, lengths_B, jax.random.key(seed),
           np.int32(max_new_tokens))
+  if model.mesh is not None:  # rows over the mesh's data axis
+    args = (model.params, *sharding.shard_batch(args[1:3], model.mesh),
+            *sharding.replicate(args[3:], model.mesh))
+    drafter_params = sharding.place_drafter_params(drafter_params, model.mesh)
   start = time.perf_counter()
   run = _compiled(args, drafter_params, model, dcfg)
   compile_s = time.perf_counter() - start

@@ -7,8 +7,9 @@ import pathlib
 from typing import Optional
 
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
-from specjax import assets
+from specjax import assets, sharding
 from specjax import native as native_mod
 from specjax.models.config import ModelConfig
 from specjax.models.llama import LlamaParams, pack_params
@@ -19,19 +20,24 @@ KNOWN_MODELS = {"smollm2-135m": assets.smollm2_gguf}
 
 @dataclasses.dataclass(frozen=True)
 class Model:
-  """A loaded model: static config, weights pytree, tokenizer."""
+  """A loaded model: static config, weights pytree, tokenizer, and the
+  device mesh its weights are laid out on (None: one device)."""
   config: ModelConfig
   params: LlamaParams
   tokenizer: "Tokenizer"  # noqa: F821 (specjax.models.tokenizer)
+  mesh: Optional[Mesh] = None
 
 
 def load_model(name_or_path: str, dtype=jnp.float32, *,
-               native: Optional[bool] = None) -> Model:
+               native: Optional[bool] = None,
+               mesh: Optional[Mesh] = None) -> Model:
   """Loads a known model name, a ``.gguf`` file or an HF checkpoint directory.
 
   ``native``: pre-arrange the matmul weights for the CPU small-row kernel
   (``llama.pack_params``); None packs when ``specjax.native.default_on``
-  (CPU backend, f32, kernel built; ``SPECJAX_NATIVE=0`` turns it off).
+  (CPU backend, f32, kernel built; ``SPECJAX_NATIVE=0`` turns it off) and
+  there is no mesh. ``mesh``: lay the weights out on it
+  (``sharding.shard_params``); decoding then runs over the whole mesh.
 
   Raises:
     ValueError: unknown name (message lists the known ones).
@@ -57,6 +63,20 @@ def load_model(name_or_path: str, dtype=jnp.float32, *,
     tok = Tokenizer.from_gguf(reader)
   cfg = dataclasses.replace(
       cfg, name=name, eos_ids=tuple(sorted(set(cfg.eos_ids) | set(tok.eos_ids))))
+  if mesh is not None:
+    if native:
+      raise ValueError("the native CPU kernels run on one device, not a mesh")
+    return on_mesh(Model(config=cfg, params=params, tokenizer=tok), mesh)
   if native_mod.default_on(dtype) if native is None else native:
     params = pack_params(params)
   return Model(config=cfg, params=params, tokenizer=tok)
+
+
+def on_mesh(model: Model, mesh: Optional[Mesh]) -> Model:
+  """``model`` with its weights laid out on ``mesh``
+  (``sharding.shard_params``); unchanged for None."""
+  if mesh is None:
+    return model
+  return dataclasses.replace(
+      model, params=sharding.shard_params(model.params, model.config, mesh),
+      mesh=mesh)

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from specjax import sharding
 from specjax.training import data as edata
 from specjax.heads.export import save_head
 from specjax.heads.eagle import FROZEN, HeadConfig, head_module
@@ -78,6 +79,12 @@ class TrainConfig:
       parameters and draft vocabulary, instead of the warm-started random
       init: a run continued on another machine (a GPU lease returns the
       head, not the optimizer state, which starts afresh).
+    mesh: "" trains on one device; ``"data=8"`` or ``"data=4,model=2"``
+      (``sharding.make_mesh``) trains data-parallel over the mesh: each
+      batch split over ``data``, the frozen target laid out as for decoding
+      (tensor-parallel over ``model``), the head and optimizer state
+      replicated (XLA all-reduces the gradients). Checkpoints restore onto
+      whatever mesh the resuming run has.
   """
   model: str = "smollm2-135m"
   variant: str = "eagle3"
@@ -108,6 +115,7 @@ class TrainConfig:
   rows_bucket: int = 64
   init_layer: str = "random"
   init_head: str = ""
+  mesh: str = ""
 
   def __post_init__(self):
     if self.init_layer not in ("random", "target"):
@@ -292,9 +300,12 @@ _target_batch = jax.jit(target_batch, static_argnums=(1, 2))
 def setup(cfg: TrainConfig, *, model=None,
           examples: Optional[edata.Examples] = None,
           progress: bool = True) -> Setup:
-  """Loads the target and data, builds Vd and the warm-started head."""
-  from specjax.models.registry import load_model
-  model = model or load_model(cfg.model)
+  """Loads the target (onto ``cfg.mesh`` if given) and data, builds Vd and
+  the warm-started head."""
+  from specjax.models.registry import load_model, on_mesh
+  mesh = sharding.make_mesh(cfg.mesh) if cfg.mesh else None
+  model = on_mesh(model or load_model(
+      cfg.model, native=False if mesh else None), mesh)
   tcfg = model.config
   if examples is None:
     examples = edata.sharegpt_examples(model.tokenizer, cfg.num_conversations,
@@ -382,6 +393,9 @@ def train(cfg: TrainConfig, workdir: str, *, model=None,
                                                indent=1))
   s = setup(cfg, model=model, examples=examples, progress=progress)
   state = {"params": s.params, "opt": optimizer(cfg, s.params).init(s.params)}
+  mesh = s.model.mesh
+  if mesh is not None:  # data-parallel: every device holds the whole head
+    state = sharding.replicate(state, mesh)
   mngr = ocp.CheckpointManager(
       work / "ckpt", options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep))
   start = 0
@@ -405,7 +419,10 @@ def train(cfg: TrainConfig, workdir: str, *, model=None,
     K = s.hcfg.medusa_heads or cfg.ttt_at(step)
     step_fn = train_step(cfg, s.hcfg, K, loss_rows(
         ex.mask, cfg.batch_size * cfg.rows_bucket))
-    new, loss, m, gnorm = step_fn(state, get_batch(idx, ex), s.model.params.embed,
+    batch = get_batch(idx, ex)
+    if mesh is not None:  # rows over the data axis
+      batch = sharding.shard_batch(batch, mesh)
+    new, loss, m, gnorm = step_fn(state, batch, s.model.params.embed,
                                   np.int32(cfg.steps))
     if not np.isfinite(float(loss)):
       end, stopped = step, f"non-finite loss at step {step + 1}"

@@ -1,0 +1,197 @@
+"""Device meshes: named axes, a logical axis for every array, placement.
+
+specjax runs on JAX's own distributed machinery (named meshes, ``NamedSharding``,
+the SPMD partitioner): a caller places the parameters and the prompts on a
+mesh and XLA partitions the same jitted ``generate`` over it, inserting the
+collectives. Nothing here is a new runtime.
+
+Two mesh axes: ``data`` splits the batch (rows decode independently: no
+communication but the loop's "any row running?"), ``model`` splits the
+target tensor-parallel over kv heads (each device keeps whole GQA groups:
+their query heads, key, value and cache), FFN units and the vocabulary.
+
+Every array has *logical* axes (``batch``, ``kv_heads``, ``ffn``, ``vocab``
+or None), mapped to mesh axes by ``RULES``. A logical axis is split only when
+its size divides evenly by the mesh axis (SmolLM2's 3 kv heads do not split
+over 2 devices): otherwise that array is replicated along that mesh axis,
+which is always correct and only costs memory. ``specs`` says what was
+chosen; the tests assert it on each array's ``.sharding``.
+
+Drafters: their parameters (heads, draft models) are replicated — small next
+to the target and read by every row; their state is split over the batch like
+the rows it belongs to (``drafters.base.Drafter``: every state leaf leads
+with B). The native CPU kernels (``specjax.native``) run on one device:
+packed weights are refused here (load with ``native=False``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Optional
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from specjax.cache import KVCache
+from specjax.models.config import ModelConfig
+from specjax.models.llama import LayerParams, LlamaParams, is_packed
+
+DATA, MODEL = "data", "model"
+AXES = (DATA, MODEL)
+RULES = {"batch": DATA, "kv_heads": MODEL, "ffn": MODEL, "vocab": MODEL}
+
+
+class MeshError(ValueError):
+  """A mesh spec that names unknown axes or does not fit the devices."""
+
+
+def make_mesh(spec: str | Mapping[str, int],
+              devices: Optional[list] = None) -> Mesh:
+  """A ``(data, model)`` mesh from ``"data=2,model=4"`` (an axis left out has
+  size 1) over ``devices`` (default all of them). Raises ``MeshError``."""
+  if isinstance(spec, str):
+    sizes = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+      name, eq, value = part.partition("=")
+      if not eq or not value.strip().isdigit():
+        raise MeshError(f"mesh entry {part!r} is not axis=size")
+      sizes[name.strip()] = int(value)
+  else:
+    sizes = dict(spec)
+  unknown = sorted(set(sizes) - set(AXES))
+  if unknown:
+    raise MeshError(f"unknown mesh axis {unknown[0]!r}; the axes are "
+                    f"{', '.join(AXES)}")
+  shape = tuple(sizes.get(a, 1) for a in AXES)
+  if min(shape) < 1:
+    raise MeshError(f"mesh axis sizes must be >= 1, got {sizes}")
+  devices = jax.devices() if devices is None else devices
+  if math.prod(shape) != len(devices):
+    raise MeshError(f"mesh {dict(zip(AXES, shape))} needs {math.prod(shape)} "
+                    f"devices, there are {len(devices)}")
+  return Mesh(np.asarray(devices).reshape(shape), AXES)
+
+
+def spec(logical: tuple, sizes: Mapping[str, int], mesh: Mesh) -> P:
+  """The ``PartitionSpec`` of an array with these logical axes: each named
+  axis goes to its ``RULES`` mesh axis when ``sizes[name]`` divides evenly
+  by it (and no earlier axis of the array took that mesh axis)."""
+  used, out = set(), []
+  for name in logical:
+    axis = RULES.get(name) if name else None
+    fits = (axis is not None and axis not in used
+            and sizes[name] % mesh.shape[axis] == 0)
+    out.append(axis if fits else None)
+    used.add(axis if fits else None)
+  return P(*out)
+
+
+def _sizes(cfg: ModelConfig, batch: int = 1) -> dict[str, int]:
+  return dict(batch=batch, kv_heads=cfg.num_kv_heads, ffn=cfg.ffn_dim,
+              vocab=cfg.vocab_size)
+
+
+def param_axes(params: LlamaParams) -> LlamaParams:
+  """Logical axes of every target parameter, as a tree like ``params``."""
+  if is_packed(params):
+    raise ValueError("packed weights (the native CPU path) run on one "
+                     "device; load the model with native=False for a mesh")
+  layer = LayerParams(
+      attn_norm=(None,), wqkv=(None, "kv_heads"),
+      bqkv=None if params.layers[0].bqkv is None else ("kv_heads",),
+      wo=("kv_heads", None), mlp_norm=(None,), w_gate_up=(None, "ffn"),
+      w_down=("ffn", None))
+  return LlamaParams(
+      embed=("vocab", None), layers=(layer,) * len(params.layers),
+      final_norm=(None,),
+      lm_head=None if params.lm_head is None else ("vocab", None))
+
+
+def cache_axes(cache: KVCache) -> KVCache:
+  return KVCache(k=(("batch", "kv_heads", None, None),) * len(cache.k),
+                 v=(("batch", "kv_heads", None, None),) * len(cache.v),
+                 lengths=("batch",))
+
+
+def _is_axes(x) -> bool:
+  return isinstance(x, tuple) and all(a is None or isinstance(a, str)
+                                      for a in x)
+
+
+def _specs(axes_tree, sizes, mesh):
+  return jax.tree.map(lambda a: spec(a, sizes, mesh), axes_tree,
+                      is_leaf=_is_axes)
+
+
+def param_specs(params: LlamaParams, cfg: ModelConfig, mesh: Mesh):
+  return _specs(param_axes(params), _sizes(cfg), mesh)
+
+
+def batch_specs(tree: Any, batch: int, mesh: Mesh):
+  """Every leaf split over ``data`` along its leading (batch) axis, the
+  rest replicated: prompts, drafter states."""
+  def leaf(x):
+    if not x.shape:
+      return P()
+    return spec(("batch",) + (None,) * (len(x.shape) - 1), {"batch": batch},
+                mesh)
+  return jax.tree.map(leaf, tree)
+
+
+def cache_specs(cache: KVCache, cfg: ModelConfig, mesh: Mesh):
+  return _specs(cache_axes(cache), _sizes(cfg, cache.lengths.shape[0]), mesh)
+
+
+def state_specs(state, cfg: ModelConfig, mesh: Mesh):
+  """Specs of a ``engine.DecodeState``: per-row fields split over ``data``,
+  the cache as ``cache_axes``, scalars and the key replicated."""
+  B = state.tokens.shape[0]
+  by_row = batch_specs(state.replace(cache=None, drafter_state=None), B, mesh)
+  return by_row.replace(
+      cache=cache_specs(state.cache, cfg, mesh),
+      drafter_state=batch_specs(state.drafter_state, B, mesh),
+      key=P())
+
+
+def _named(specs, mesh):
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                      is_leaf=lambda s: isinstance(s, P))
+
+
+def constrain(tree, specs, mesh: Optional[Mesh]):
+  """``tree`` laid out as ``specs`` (inside jit: a sharding constraint);
+  unchanged without a mesh."""
+  if mesh is None:
+    return tree
+  return jax.lax.with_sharding_constraint(tree, _named(specs, mesh))
+
+
+def shard_params(params: LlamaParams, cfg: ModelConfig,
+                 mesh: Mesh) -> LlamaParams:
+  """The target's weights placed on ``mesh`` (``param_specs``)."""
+  return jax.device_put(params, _named(param_specs(params, cfg, mesh), mesh))
+
+
+def shard_batch(tree: Any, mesh: Mesh):
+  """Prompts, lengths (or any tree of ``[B, ...]`` arrays) split over
+  ``data``."""
+  B = jax.tree.leaves(tree)[0].shape[0]
+  return jax.device_put(tree, _named(batch_specs(tree, B, mesh), mesh))
+
+
+def replicate(tree: Any, mesh: Mesh):
+  """A copy of every leaf on every device: keys, scalars."""
+  return jax.device_put(tree, NamedSharding(mesh, P()))
+
+
+def place_drafter_params(tree: Any, mesh: Mesh):
+  """A drafter's parameters on ``mesh``: replicated, except arrays already
+  laid out on it (the target's embedding an EAGLE head reads stays the
+  target's, not a second copy per device)."""
+  def leaf(x):
+    on_mesh = (isinstance(x, jax.Array)
+               and isinstance(x.sharding, NamedSharding)
+               and x.sharding.mesh == mesh)
+    return x if on_mesh else jax.device_put(x, NamedSharding(mesh, P()))
+  return jax.tree.map(leaf, tree)

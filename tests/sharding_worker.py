@@ -1,0 +1,142 @@
+"""Sharded decoding on forced host devices, run by tests/test_sharding.py in
+its own process (the device count is fixed when JAX starts):
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 \
+      python -m tests.sharding_worker [--full]
+
+A tiny random target (8 kv heads, so every mesh shape splits it) and an
+untrained EAGLE-3 head decode a ragged batch of 8 rows on one device and on
+each mesh; prints one JSON object: per (temperature, method, mesh) whether the
+tokens equal the single-device run's, and, per array, its global shape and
+the part of it one device holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import bucketing, engine, sharding
+from specjax.drafters import NGramDrafter
+from specjax.drafters.eagle import EagleDrafter, EagleParams
+from specjax.heads.eagle import HeadConfig
+from specjax.heads.vocab import build_draft_vocab
+from specjax.models import llama
+from specjax.models.config import ModelConfig
+from specjax.sampling import SamplingParams
+from specjax.training.train import init_head
+
+CFG = ModelConfig(vocab_size=64, dim=32, num_layers=3, num_heads=16,
+                  num_kv_heads=8, head_dim=4, ffn_dim=48)
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [9, 1, 9], [3, 4, 3, 4, 3, 4, 3, 4], [20],
+           [1, 2], [7, 7, 7], [8], [30, 31, 30, 31, 30]]
+MESHES = ("data=1,model=8", "data=2,model=4", "data=4,model=2", "data=8")
+
+
+def _spec(x) -> list:
+  """``[global shape, one device's shape]``: what a device really holds."""
+  return [list(x.shape), list(x.sharding.shard_shape(x.shape))]
+
+
+def main(full: bool) -> dict:
+  params = llama.random_params(jax.random.key(0), CFG, scale=0.3)
+  hcfg = HeadConfig.for_target(CFG, 64, taps=(0, 1, 3))
+  vocab = build_draft_vocab([np.arange(64)], 64, 64)
+  head = EagleParams(head=init_head(jax.random.key(1), hcfg, params, vocab),
+                     draft_ids=jnp.asarray(vocab.ids), embed=params.embed)
+  methods = {"ar": (None, 0, 0, None), "ngram": (NGramDrafter(), 3, 0, None),
+             "eagle3": (EagleDrafter(hcfg), 3, 0, head)}
+  if full:
+    methods["eagle3_tree"] = (EagleDrafter(hcfg, tree_width=2), 3, 6, head)
+  prompt_BT, lengths = bucketing.pad_prompts(PROMPTS)
+  temps = (0.0, 1.0)
+  meshes = MESHES if full else ("data=2,model=4",)
+  out = {"runs": [], "specs": {}}
+  for temp in temps:
+    for name, (drafter, k, nodes, dparams) in methods.items():
+      if temp and not full and name == "ngram":
+        continue
+      dcfg = engine.DecodeConfig(
+          capacity=48, sampling=SamplingParams(temperature=temp, top_p=0.9),
+          drafter=drafter, num_draft=k, tree_nodes=nodes)
+      run = lambda p, d, *a: engine.generate_jit(
+          p, *a, np.int32(12), model_cfg=CFG, dcfg=d, drafter_params=dparams
+          if d.mesh is None else sharding.place_drafter_params(dparams,
+                                                                d.mesh))
+      ref = run(params, dcfg, prompt_BT, lengths, jax.random.key(7))
+      for shape in meshes:
+        mesh = sharding.make_mesh(shape)
+        # Prompts and key as host arrays: the engine lays the state out.
+        st = run(sharding.shard_params(params, CFG, mesh),
+                 dataclasses.replace(dcfg, mesh=mesh), prompt_BT, lengths,
+                 jax.random.key(7))
+        same = bool((np.asarray(st.tokens) == np.asarray(ref.tokens)).all()
+                    and (np.asarray(st.num_tokens)
+                         == np.asarray(ref.num_tokens)).all())
+        out["runs"].append(dict(temperature=temp, method=name, mesh=shape,
+                                equal=same, new_tokens=int(
+                                    (st.num_tokens - st.prompt_lengths).sum())))
+        if name == "eagle3" and temp == 0.0:
+          sp = sharding.shard_params(params, CFG, mesh)
+          out["specs"][shape] = dict(
+              wqkv=_spec(sp.layers[0].wqkv), wo=_spec(sp.layers[0].wo),
+              w_gate_up=_spec(sp.layers[0].w_gate_up),
+              w_down=_spec(sp.layers[0].w_down), embed=_spec(sp.embed),
+              attn_norm=_spec(sp.layers[0].attn_norm),
+              cache_k=_spec(st.cache.k[0]), cache_v=_spec(st.cache.v[-1]),
+              cache_lengths=_spec(st.cache.lengths),
+              tokens=_spec(st.tokens), num_tokens=_spec(st.num_tokens),
+              head_cache_k=_spec(st.drafter_state.cache.k[0]),
+              head_pending=_spec(st.drafter_state.pending),
+              head_fc=_spec(sharding.place_drafter_params(
+                  head, mesh).head["fc"]["kernel"]))
+  # SmolLM2's shape: 3 kv heads do not split over 2 devices (replicated),
+  # its FFN and vocabulary do.
+  odd = dataclasses.replace(CFG, num_heads=9, num_kv_heads=3, head_dim=4)
+  sp = sharding.shard_params(llama.random_params(jax.random.key(0), odd), odd,
+                             sharding.make_mesh("data=4,model=2"))
+  out["specs"]["odd_heads"] = dict(wqkv=_spec(sp.layers[0].wqkv),
+                                   w_down=_spec(sp.layers[0].w_down))
+  return out
+
+
+def train_main(workdir: str) -> dict:
+  """Head training on one device, data-parallel on ``data=4,model=2``, and
+  interrupted on that mesh then resumed on ``data=2,model=4``: per-step
+  losses and the largest parameter difference against the one-device run."""
+  import pathlib
+  from specjax.training import train as etrain
+  from tests.test_eagle_train import CFG, _examples, make_tiny_model
+  work = pathlib.Path(workdir)
+  model = make_tiny_model(work / "tiny")
+  ex = _examples(n=12)
+  cfg = dataclasses.replace(CFG, batch_size=4, steps=4)
+  run = lambda name, stop=None, **kw: etrain.train(
+      dataclasses.replace(cfg, **kw), work / name, model=model, examples=ex,
+      stop_after=stop, progress=False)
+  one = run("one")
+  sharded = run("sharded", mesh="data=4,model=2")
+  part = run("moved", stop=3, mesh="data=4,model=2")
+  rest = run("moved", mesh="data=2,model=4")
+  diff = lambda r: max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                       for a, b in zip(jax.tree.leaves(one.params),
+                                       jax.tree.leaves(r.params)))
+  fc = sharded.params["fc"]["kernel"]
+  return dict(one=one.losses, sharded=sharded.losses,
+              moved={**{s: part.losses[s] for s in part.losses if s < 2},
+                     **rest.losses},
+              resumed_from=min(rest.losses),
+              max_param_diff=dict(sharded=diff(sharded), moved=diff(rest)),
+              head_fc=_spec(fc), head_on_devices=len(fc.sharding.device_set))
+
+
+if __name__ == "__main__":
+  if "--train" in sys.argv:
+    print(json.dumps(train_main(sys.argv[-1])))
+  else:
+    print(json.dumps(main("--full" in sys.argv)))
