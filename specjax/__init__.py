@@ -26,6 +26,7 @@ from specjax.models.registry import Model, load_model
 from specjax.models.tokenizer import StreamDecoder, Tokenizer
 from specjax.runner import BatchResult, RowResult, generate_ids
 from specjax.sampling import SamplingParams, sample_logits, warp
+from specjax.sharding import make_mesh, shard_params
 from specjax.tree import Tree, TreeResult, verify_tree
 from specjax.verify import ChainResult, verify_chain
 
@@ -39,7 +40,8 @@ __all__ = [
     "SamplingParams", "StreamDecoder", "Tokenizer", "bucket_length",
     "build_datastore", "build_method", "capacity_for", "forward", "generate",
     "generate_ids", "generate_jit",
-    "init_cache", "load_model", "pad_prompts", "prefill", "prefill_jit",
+    "init_cache", "load_model", "make_mesh", "pad_prompts", "prefill",
+    "prefill_jit", "shard_params",
     "sample_logits", "sharegpt_datastore", "step", "step_jit", "stream",
     "Tree", "TreeResult", "verify_chain", "verify_tree", "warp",
 ]

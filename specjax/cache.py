@@ -69,14 +69,11 @@ def write_kv(k_BGHS: jax.Array, v_BGSH: jax.Array, k_BTGH: jax.Array,
 
   Slots past the capacity are dropped, so a write can never wrap around and
   clobber a row's own prefix (the engine stops rows before they fill up). With the
-  buffers donated, XLA performs the scatter in place.
+  buffers donated, XLA performs the scatter in place. Per row (``vmap``, as
+  ``specjax.rows``): on a mesh each device writes its own rows.
   """
-  rows_BT = jnp.broadcast_to(jnp.arange(slots_BT.shape[0])[:, None],
-                             slots_BT.shape)
-  # Advanced indices separated by a slice put their [B, T] dims first, so the
-  # update is indexed [B, T, G, H] for both layouts.
-  k = k_BGHS.at[rows_BT, :, :, slots_BT].set(k_BTGH.astype(k_BGHS.dtype),
-                                             mode="drop")
-  v = v_BGSH.at[rows_BT, :, slots_BT].set(v_BTGH.astype(v_BGSH.dtype),
-                                          mode="drop")
-  return k, v
+  def row(k_GHS, v_GSH, k_TGH, v_TGH, slots_T):
+    k_TGH, v_TGH = k_TGH.astype(k_GHS.dtype), v_TGH.astype(v_GSH.dtype)
+    return (k_GHS.at[:, :, slots_T].set(k_TGH.transpose(1, 2, 0), mode="drop"),
+            v_GSH.at[:, slots_T].set(v_TGH.transpose(1, 0, 2), mode="drop"))
+  return jax.vmap(row)(k_BGHS, v_BGSH, k_BTGH, v_BTGH, slots_BT)

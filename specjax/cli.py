@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 
@@ -88,6 +89,14 @@ def _build_parser() -> argparse.ArgumentParser:
   tr.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                   help="stop after the first step that ends this long after "
                   "the start, with a checkpoint there; rerun to go on")
+
+  for sp in (g, b, tr):
+    sp.add_argument("--distributed", default=None, metavar="auto|HOST:PORT,N,I",
+                    help="one of N processes (hosts) of one run: 'auto' "
+                    "detects TPU pods, SLURM, Open MPI, Kubernetes; else the "
+                    "coordinator's address, N and this process's index. "
+                    "--mesh / --set mesh= then span every process's devices; "
+                    "process 0 prints and writes the results")
 
   d = sub.add_parser("demo", help="SmolLM2 decoding demo (the README's main job)")
   d.add_argument("--max-new-tokens", type=int, default=96)
@@ -336,10 +345,15 @@ def cmd_bench(args) -> int:
   _check_fits(model, ids, args.max_new_tokens, max(s.k for s in specs))
   built = [(s, *_build(model, s)) for s in specs]  # bad knobs fail here
 
+  import jax
+  if jax.process_count() > 1 and args.journal:
+    raise UsageError("--journal keeps one process's progress; leave it out "
+                     "with --distributed")
+
   def emit(result: dict):
     line = json.dumps(result)
     print(line, flush=True)
-    if args.json:
+    if args.json and jax.process_index() == 0:
       with open(args.json, "a", encoding="utf-8") as f:
         f.write(line + "\n")
 
@@ -420,6 +434,18 @@ def cmd_train(args) -> int:
   return 0
 
 
+def _join(spec: str) -> None:
+  """Joins the multi-process run; every process but 0 computes silently."""
+  import jax
+  from specjax import sharding
+  try:
+    sharding.initialize_distributed(spec)
+  except sharding.MeshError as e:
+    raise UsageError(f"--distributed: {e}") from None
+  if jax.process_index() != 0:
+    sys.stdout = open(os.devnull, "w")
+
+
 def cmd_demo(args) -> int:
   from specjax import demo
   if args.max_new_tokens < 1:
@@ -431,6 +457,8 @@ def cmd_demo(args) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
   try:
     args = _build_parser().parse_args(argv)
+    if vars(args).get("distributed"):
+      _join(args.distributed)
     return {"generate": cmd_generate, "bench": cmd_bench, "tune": cmd_tune,
             "train": cmd_train, "demo": cmd_demo}[args.command](args)
   except UsageError as e:

@@ -35,6 +35,7 @@ from specjax.cache import KVCache
 from specjax.drafters.base import Drafter, Proposal, TreeDrafter
 from specjax.models import llama
 from specjax.models.config import ModelConfig
+from specjax.rows import at_rows, set_at_rows
 from specjax.sampling import SamplingParams, sample_logits, warp
 from specjax.verify import verify_chain
 
@@ -233,7 +234,7 @@ def prefill(params: llama.LlamaParams, prompt_BT: jax.Array,
   key, sub = jax.random.split(key)
   first_B = sample_logits(out.logits[:, 0], dcfg.sampling, sub)
   tokens = jnp.zeros((B, S), jnp.int32).at[:, :Tp].set(prompt_BT)
-  tokens = tokens.at[jnp.arange(B), lengths].set(first_B, mode="drop")
+  tokens = set_at_rows(tokens, lengths, first_B, mode="drop")
   drafter_state = None
   if dcfg.drafter is not None:
     drafter_state = dcfg.drafter.init(drafter_params, prompt_BT, lengths, S,
@@ -276,7 +277,7 @@ def _score(params, state: DecodeState, prop: Proposal, live_B: jax.Array, *,
   the newest token alone (``wide`` False): on a CPU a forward over K + 1
   tokens costs more than a one-token one."""
   B, K = state.tokens.shape[0], dcfg.k
-  last_B = state.tokens[jnp.arange(B), state.num_tokens - 1]
+  last_B = at_rows(state.tokens, state.num_tokens - 1)
   block_BT = jnp.concatenate([last_B[:, None], prop.tokens], axis=1)
   verify = functools.partial(_verify_forward, params, model_cfg, block_BT,
                              state.cache, _feature_taps(dcfg))
@@ -303,8 +304,7 @@ def _emit(state: DecodeState, tokens_BT: jax.Array, num_emitted_B: jax.Array,
       n_B, state.max_new_tokens - state.num_new_tokens), 0)
   slots_BT = jnp.where(idx_T < n_B[:, None], state.num_tokens[:, None] + idx_T,
                        S)
-  tokens = state.tokens.at[jnp.arange(B)[:, None], slots_BT].set(
-      tokens_BT, mode="drop")
+  tokens = set_at_rows(state.tokens, slots_BT, tokens_BT, mode="drop")
   hit_eos_B = jnp.any(eos_BT & (idx_T < n_B[:, None]), axis=1)
   return tokens, n_B, hit_eos_B
 

@@ -116,7 +116,7 @@ def generate_ids(model: Model, prompts: Sequence[Sequence[int]], *,
   start = time.perf_counter()
   state = run(*args, drafter_params=drafter_params)
   tokens, num, reasons, steps, wide, fwd, drafted, acc, nodes = (
-      jax.device_get((state.tokens, state.num_tokens, state.stop_reason,
+      sharding.to_host((state.tokens, state.num_tokens, state.stop_reason,
                       state.num_steps, state.num_wide, state.num_forwards,
                       state.num_drafted, state.accepted_at,
                       state.accepted_nodes)))

@@ -17,6 +17,11 @@ over 2 devices): otherwise that array is replicated along that mesh axis,
 which is always correct and only costs memory. ``specs`` says what was
 chosen; the tests assert it on each array's ``.sharding``.
 
+Several processes (hosts): ``initialize_distributed`` joins them before any
+device is touched; the mesh then spans every process's devices, each process
+runs the same program on the same host inputs and keeps its devices' part,
+and ``to_host`` gathers results that live on other processes.
+
 Drafters: their parameters (heads, draft models) are replicated — small next
 to the target and read by every row; their state is split over the batch like
 the rows it belongs to (``drafters.base.Drafter``: every state leaf leads
@@ -194,4 +199,35 @@ def place_drafter_params(tree: Any, mesh: Mesh):
                and isinstance(x.sharding, NamedSharding)
                and x.sharding.mesh == mesh)
     return x if on_mesh else jax.device_put(x, NamedSharding(mesh, P()))
+  return jax.tree.map(leaf, tree)
+
+
+def initialize_distributed(spec: str) -> None:
+  """Joins a multi-process run (one process per host) before anything
+  touches a device: ``"auto"`` (``jax.distributed``'s detection: TPU pods,
+  SLURM, Open MPI, Kubernetes) or ``"HOST:PORT,N,I"`` (the coordinator, the
+  process count, this process's index). CPU processes talk through gloo.
+  Raises ``MeshError`` for a malformed spec."""
+  parts = spec.split(",")
+  if spec != "auto" and not (len(parts) == 3 and ":" in parts[0]
+                             and parts[1].isdigit() and parts[2].isdigit()
+                             and int(parts[2]) < int(parts[1])):
+    raise MeshError(f"distributed spec must be 'auto' or HOST:PORT,N,I with "
+                    f"I < N, got {spec!r}")
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  if spec == "auto":
+    jax.distributed.initialize()
+  else:
+    jax.distributed.initialize(parts[0], int(parts[1]), int(parts[2]))
+
+
+def to_host(tree: Any):
+  """numpy copies of every leaf, whole on every process: an array spread
+  over other processes' devices is gathered first."""
+  from jax.experimental import multihost_utils
+
+  def leaf(x):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
   return jax.tree.map(leaf, tree)

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from specjax.rows import at_rows, set_at_rows
 from specjax.sampling import SamplingParams, draw
 
 
@@ -65,9 +66,8 @@ def ancestors(parents_BM: jax.Array, valid_BM: jax.Array) -> jax.Array:
   parents-first, so one pass suffices."""
   B, M = parents_BM.shape
   anc_BMM = jnp.broadcast_to(jnp.eye(M, dtype=bool), (B, M, M))
-  rows = jnp.arange(B)
   for m in range(1, M):
-    inherited = anc_BMM[rows, parents_BM[:, m]] & valid_BM[:, m, None]
+    inherited = at_rows(anc_BMM, parents_BM[:, m]) & valid_BM[:, m, None]
     anc_BMM = anc_BMM.at[:, m].set(anc_BMM[:, m] | inherited)
   return anc_BMM
 
@@ -265,10 +265,10 @@ def select(root_B: jax.Array, tokens_BC: jax.Array, scores_BC: jax.Array,
   candidates; a candidate scoring -inf is invalid."""
   B, C = tokens_BC.shape
   N = min(num_nodes, C)
-  rows = jnp.arange(B)[:, None]
   pick_BN = jnp.sort(jax.lax.top_k(scores_BC, N)[1], axis=1)
-  new_BC = jnp.full((B, C), -1, jnp.int32).at[rows, pick_BN].set(
-      jnp.arange(N, dtype=jnp.int32)[None, :])
+  new_BC = set_at_rows(jnp.full((B, C), -1, jnp.int32), pick_BN,
+                       jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32),
+                                        (B, N)))
   parent_old_BN = jnp.take_along_axis(parents_BC, pick_BN, axis=1)
   parent_BN = jnp.where(parent_old_BN < 0, 0, 1 + jnp.take_along_axis(
       new_BC, jnp.maximum(parent_old_BN, 0), axis=1))
@@ -336,14 +336,13 @@ def verify_tree(tree: Tree, anc_BMM: jax.Array, target_probs_BMV: jax.Array,
     max_depth: static bound on any valid node's depth.
   """
   B, M = tree.tokens.shape
-  rows = jnp.arange(B)
   draws_BM = draw(target_probs_BMV.astype(jnp.float32), sampling, key)
   matched_BM = matches(tree, draws_BM).at[:, 0].set(True)
   accepted_BM = ~jnp.any(anc_BMM & ~matched_BM[:, None, :], axis=-1)
   depth_BM = depths(anc_BMM)
   last_B = jnp.argmax(jnp.where(accepted_BM, depth_BM, -1), axis=1)
-  num_acc_B = depth_BM[rows, last_B]
-  on_path_BM = anc_BMM[rows, last_B]
+  num_acc_B = at_rows(depth_BM, last_B)
+  on_path_BM = at_rows(anc_BMM, last_B)
   at_depth_BK1M = on_path_BM[:, None, :] & (
       depth_BM[:, None, :] == jnp.arange(max_depth + 1)[None, :, None])
   path_BK1 = jnp.where(jnp.any(at_depth_BK1M, axis=-1),
@@ -353,7 +352,7 @@ def verify_tree(tree: Tree, anc_BMM: jax.Array, target_probs_BMV: jax.Array,
       tree.tokens, jnp.concatenate([path_BK1[:, 1:], path_BK1[:, -1:]], 1), 1)
   tokens_BK1 = jnp.where(idx_BK1 < num_acc_B[:, None], next_BK1, 0)
   tokens_BK1 = jnp.where(idx_BK1 == num_acc_B[:, None],
-                         draws_BM[rows, last_B][:, None], tokens_BK1)
+                         at_rows(draws_BM, last_B)[:, None], tokens_BK1)
   return TreeResult(tokens=tokens_BK1.astype(jnp.int32),
                     num_emitted=num_acc_B + 1, num_accepted=num_acc_B,
                     path=path_BK1.astype(jnp.int32))

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from specjax.rows import at_rows
 from specjax.sampling import sample
 
 
@@ -95,8 +96,7 @@ def verify_chain(draft_BK: jax.Array, draft_probs_BKV: Optional[jax.Array],
   num_acc_B = num_acc_B.astype(jnp.int32)
 
   # Distribution of the one extra token, at position num_acc.
-  rows = jnp.arange(B)
-  q_fix_BV = q[rows, num_acc_B]
+  q_fix_BV = at_rows(q, num_acc_B)
   rejected_B = num_acc_B < num_draft_B
   if greedy:
     extra_B = jnp.argmax(q_fix_BV, axis=-1).astype(jnp.int32)
@@ -105,10 +105,10 @@ def verify_chain(draft_BK: jax.Array, draft_probs_BKV: Optional[jax.Array],
     if K == 0:  # nothing drafted: only the bonus, p is never used
       p_fix_BV = jnp.zeros_like(q_fix_BV)
     elif draft_probs_BKV is None:
-      p_fix_BV = jax.nn.one_hot(draft_BK[rows, pos_B], q.shape[-1],
+      p_fix_BV = jax.nn.one_hot(at_rows(draft_BK, pos_B), q.shape[-1],
                                 dtype=jnp.float32)
     else:
-      p_fix_BV = draft_probs_BKV.astype(jnp.float32)[rows, pos_B]
+      p_fix_BV = at_rows(draft_probs_BKV.astype(jnp.float32), pos_B)
     extra_BV = jnp.where(rejected_B[:, None], _residual(q_fix_BV, p_fix_BV),
                          q_fix_BV)
     extra_B = sample(extra_BV, key_fix)

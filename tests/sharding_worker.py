@@ -135,8 +135,43 @@ def train_main(workdir: str) -> dict:
               head_fc=_spec(fc), head_on_devices=len(fc.sharding.device_set))
 
 
+def multihost_main(port: int, pid: int) -> dict:
+  """Process ``pid`` of 2 (4 devices each) decoding on the global mesh
+  ``data=4,model=2`` through ``runner.generate_ids`` (rows 0-3 live on
+  process 0's devices, 4-7 on process 1's), against this process's own
+  one-device run."""
+  sharding.initialize_distributed(f"127.0.0.1:{port},2,{pid}")
+  from specjax import runner
+  from specjax.models.registry import Model, on_mesh
+  params = llama.random_params(jax.random.key(0), CFG, scale=0.3)
+  one = Model(config=CFG, params=params, tokenizer=None)
+  meshed = on_mesh(one, sharding.make_mesh("data=4,model=2"))
+  hcfg = HeadConfig.for_target(CFG, 64, taps=(0, 1, 3))
+  vocab = build_draft_vocab([np.arange(64)], 64, 64)
+  head = EagleParams(head=init_head(jax.random.key(1), hcfg, params, vocab),
+                     draft_ids=jnp.asarray(vocab.ids), embed=params.embed)
+  out = dict(process=jax.process_index(), processes=jax.process_count(),
+             devices=jax.device_count(), runs=[])
+  for temp in (0.0, 1.0):
+    for name, drafter, k, dparams in (("ar", None, 0, None),
+                                      ("eagle3", EagleDrafter(hcfg), 3, head)):
+      kw = dict(max_new_tokens=12, seed=3, drafter=drafter, num_draft=k,
+                drafter_params=dparams,
+                sampling=SamplingParams(temperature=temp, top_p=0.9))
+      got = runner.generate_ids(meshed, PROMPTS, **kw)
+      ref = runner.generate_ids(one, PROMPTS, **kw)
+      out["runs"].append(dict(
+          temperature=temp, method=name,
+          equal=[r.output_ids for r in got.rows]
+          == [r.output_ids for r in ref.rows],
+          new_tokens=got.new_tokens))
+  return out
+
+
 if __name__ == "__main__":
-  if "--train" in sys.argv:
+  if "--multihost" in sys.argv:
+    print(json.dumps(multihost_main(int(sys.argv[-2]), int(sys.argv[-1]))))
+  elif "--train" in sys.argv:
     print(json.dumps(train_main(sys.argv[-1])))
   else:
     print(json.dumps(main("--full" in sys.argv)))

@@ -26,6 +26,7 @@ from specjax.drafters.base import Proposal
 from specjax.drafters.chain import draft_chain
 from specjax.models import llama
 from specjax.models.config import ModelConfig
+from specjax.rows import at_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,10 +71,8 @@ class DraftModelDrafter:
               sampling) -> Proposal:
     params = self.draft_params(params)
     B = tokens_BS.shape[0]
-    rows = jnp.arange(B)
     start_B = jnp.maximum(num_tokens_B - 2, 0)
-    pair_B2 = jnp.stack([tokens_BS[rows, start_B],
-                         tokens_BS[rows, num_tokens_B - 1]], axis=1)
+    pair_B2 = at_rows(tokens_BS, jnp.stack([start_B, num_tokens_B - 1], 1))
     out = llama.forward(params, self.config, pair_B2,
                         cache.with_lengths(start_B))
 

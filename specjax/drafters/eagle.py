@@ -38,13 +38,14 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax.cache import KVCache, write_kv
 from specjax import tree as trees
+from specjax.cache import KVCache, write_kv
 from specjax.drafters.base import Proposal, TreeProposal
 from specjax.drafters.chain import draft_chain
 from specjax.heads.eagle import HeadConfig, head_call
 from specjax.heads.vocab import full_vocab_logits
 from specjax.models import llama
+from specjax.rows import at_rows
 
 
 @struct.dataclass
@@ -212,7 +213,7 @@ class EagleDrafter:
     state, stable_B, a_BD = self._start(params, state, tokens_BS,
                                         num_tokens_B, num_draft)
     B = tokens_BS.shape[0]
-    root_B = tokens_BS[jnp.arange(B), num_tokens_B - 1]
+    root_B = at_rows(tokens_BS, num_tokens_B - 1)
     if self.tree_shape:
       tree, _ = self._expand_static(params, state, stable_B, a_BD, root_B,
                                     shape)

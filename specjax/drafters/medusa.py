@@ -34,6 +34,7 @@ from specjax.drafters.base import Proposal, TreeProposal
 from specjax.drafters.chain import draft_chain
 from specjax.heads.eagle import HeadConfig, head_call
 from specjax.heads.vocab import full_vocab_logits
+from specjax.rows import at_rows
 
 
 @struct.dataclass
@@ -139,7 +140,7 @@ class MedusaDrafter:
     depth_M = np.asarray(shape.depths[1:]) - 1
     rank_M = np.asarray([path[-1] for path in shape.paths()])
     B, M = tokens_BS.shape[0], shape.num_nodes + 1
-    root_B = tokens_BS[jnp.arange(B), num_tokens_B - 1]
+    root_B = at_rows(tokens_BS, num_tokens_B - 1)
     tokens_BM = jnp.concatenate(
         [root_B[:, None], params.draft_ids[top_BKC[:, depth_M, rank_M]]], 1)
     return TreeProposal(tree=trees.Tree(

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.drafters.base import Proposal, Stateless, TreeProposal
+from specjax.rows import at_rows
 from specjax.tree import trie
 
 
@@ -44,13 +45,13 @@ class NGramDrafter(Stateless):
     n tokens (0: none). Only s below ``num_tokens`` (a continuation exists)
     and at least n count."""
     B, S = tokens_BS.shape
-    rows, s_S = jnp.arange(B), jnp.arange(S)[None, :]
+    s_S = jnp.arange(S)[None, :]
     len_BS = jnp.zeros((B, S), jnp.int32)
     for n in range(self.n_min, self.n_max + 1):  # longer n overwrite shorter
       match_BS = (s_S >= n) & (s_S < num_tokens_B[:, None]) & (
           num_tokens_B[:, None] >= n + 1)
       for i in range(n):  # tokens[s - n + i] == suffix[i]
-        suffix_B = tokens_BS[rows, jnp.maximum(num_tokens_B - n + i, 0)]
+        suffix_B = at_rows(tokens_BS, jnp.maximum(num_tokens_B - n + i, 0))
         match_BS &= jnp.roll(tokens_BS, n - i, axis=1) == suffix_B[:, None]
       len_BS = jnp.where(match_BS, n, len_BS)
     return len_BS
@@ -88,6 +89,6 @@ class NGramDrafter(Stateless):
     cont_BPK, avail_BP = self._continuations(tokens_BS, num_tokens_B,
                                              self.num_paths, num_draft)
     B = tokens_BS.shape[0]
-    root_B = tokens_BS[jnp.arange(B), num_tokens_B - 1]
+    root_B = at_rows(tokens_BS, num_tokens_B - 1)
     return TreeProposal(tree=trie(root_B, cont_BPK, avail_BP, num_nodes),
                         state=state)

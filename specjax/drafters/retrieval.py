@@ -38,6 +38,7 @@ import numpy as np
 from flax import struct
 
 from specjax.drafters.base import Proposal, Stateless, TreeProposal
+from specjax.rows import at_rows
 from specjax.tree import trie
 
 # Bump when the hash or the table layout changes: old caches become misses.
@@ -415,6 +416,6 @@ class RetrievalDrafter(Stateless):
     paths_BPK = jnp.concatenate([first_BP[..., None],
                                  rest_RK.reshape(B, P, K - 1)], axis=2)
     lengths_BP = jnp.where(ok_BP, 1 + num_R.reshape(B, P), 0)
-    root_B = tokens_BS[jnp.arange(B), num_tokens_B - 1]
+    root_B = at_rows(tokens_BS, num_tokens_B - 1)
     return TreeProposal(tree=trie(root_B, paths_BPK, lengths_BP, num_nodes),
                         state=state)

@@ -6,6 +6,7 @@ import dataclasses
 import pathlib
 from typing import Optional
 
+import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
@@ -28,10 +29,20 @@ class Model:
   mesh: Optional[Mesh] = None
 
 
-def load_model(name_or_path: str, dtype=jnp.float32, *,
+def default_dtype():
+  """The weights' dtype unless told otherwise: f32 on a CPU (XLA CPU's bf16
+  matmuls run several times slower than f32, docs/DESIGN.md "Numerics"),
+  bf16 on GPUs and TPUs."""
+  return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+
+
+def load_model(name_or_path: str, dtype=None, *,
                native: Optional[bool] = None,
                mesh: Optional[Mesh] = None) -> Model:
   """Loads a known model name, a ``.gguf`` file or an HF checkpoint directory.
+
+  ``dtype``: the weights' and cache's dtype (None: ``default_dtype()``);
+  norms, softmax, logits and verification run in f32 whatever it is.
 
   ``native``: pre-arrange the matmul weights for the CPU small-row kernel
   (``llama.pack_params``); None packs when ``specjax.native.default_on``
@@ -46,6 +57,7 @@ def load_model(name_or_path: str, dtype=jnp.float32, *,
   """
   from specjax.models import gguf_loader, hf_loader
   from specjax.models.tokenizer import Tokenizer
+  dtype = default_dtype() if dtype is None else dtype
   if name_or_path in KNOWN_MODELS:
     path, name = KNOWN_MODELS[name_or_path](), name_or_path
   else:

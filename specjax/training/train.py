@@ -388,9 +388,11 @@ def train(cfg: TrainConfig, workdir: str, *, model=None,
   from tqdm.auto import tqdm
 
   work = pathlib.Path(workdir).absolute()
+  lead = jax.process_index() == 0  # the process that writes files
   work.mkdir(parents=True, exist_ok=True)
-  (work / "config.json").write_text(json.dumps(dataclasses.asdict(cfg),
-                                               indent=1))
+  if lead:
+    (work / "config.json").write_text(json.dumps(dataclasses.asdict(cfg),
+                                                 indent=1))
   s = setup(cfg, model=model, examples=examples, progress=progress)
   state = {"params": s.params, "opt": optimizer(cfg, s.params).init(s.params)}
   mesh = s.model.mesh
@@ -403,7 +405,8 @@ def train(cfg: TrainConfig, workdir: str, *, model=None,
     start = mngr.latest_step()
     state = _restore(mngr, start, state)
   metrics_path = work / "metrics.jsonl"
-  _truncate_metrics(metrics_path, start)
+  if lead:
+    _truncate_metrics(metrics_path, start)
   train_ex, get_batch = _batches(cfg, s, work, progress)
 
   losses, stopped = {}, ""
@@ -422,8 +425,9 @@ def train(cfg: TrainConfig, workdir: str, *, model=None,
     batch = get_batch(idx, ex)
     if mesh is not None:  # rows over the data axis
       batch = sharding.shard_batch(batch, mesh)
-    new, loss, m, gnorm = step_fn(state, batch, s.model.params.embed,
-                                  np.int32(cfg.steps))
+    new, *out = step_fn(state, batch, s.model.params.embed,
+                        np.int32(cfg.steps))
+    loss, m, gnorm = sharding.to_host(out)
     if not np.isfinite(float(loss)):
       end, stopped = step, f"non-finite loss at step {step + 1}"
       print(f"specjax: warning: {stopped}; the head of step {step} is kept",
@@ -442,20 +446,24 @@ def train(cfg: TrainConfig, workdir: str, *, model=None,
                  ttt=K, grad_norm=round(float(gnorm), 4),
                  tokens_per_s=round(tokens_seen / elapsed, 1),
                  elapsed_s=round(elapsed, 2))
-      with open(metrics_path, "a") as f:
-        f.write(json.dumps(rec) + "\n")
+      if lead:
+        with open(metrics_path, "a") as f:
+          f.write(json.dumps(rec) + "\n")
       bar.set_postfix(loss=f"{losses[step]:.3f}",
                       acc="/".join(f"{a:.2f}" for a in acc[:3]))
     if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0
                                  or step + 1 == cfg.steps or timed_out):
       mngr.save(step + 1, args=ocp.args.StandardSave(state))
-      if step + 1 < end:  # so that an interrupted run still leaves a head
-        save_head(work / "head.npz", s.hcfg, state["params"], s.vocab.ids)
+      if step + 1 < end and lead:  # an interrupted run still leaves a head
+        save_head(work / "head.npz", s.hcfg, sharding.to_host(state["params"]),
+                  s.vocab.ids)
     if step + 1 == end:
       break
   mngr.wait_until_finished()
   # The head as one portable file, usable by `--method eagle3 --head`.
-  save_head(work / "head.npz", s.hcfg, state["params"], s.vocab.ids)
+  if lead:
+    save_head(work / "head.npz", s.hcfg, sharding.to_host(state["params"]),
+              s.vocab.ids)
   return Run(params=state["params"], losses=losses, step=end, setup=s,
              stopped=stopped)
 
