@@ -172,22 +172,41 @@ def constrain(tree, specs, mesh: Optional[Mesh]):
   return jax.lax.with_sharding_constraint(tree, _named(specs, mesh))
 
 
+def _put(tree: Any, shardings):
+  """``jax.device_put`` onto (a tree of) global shardings, also with several
+  processes: there an array held by one local device goes through the host
+  (every process passes the same value and keeps its devices' part)."""
+  if jax.process_count() == 1:
+    return jax.device_put(tree, shardings)
+
+  def leaf(x, s):
+    if not isinstance(x, jax.Array):
+      return jax.device_put(x, s)
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      return jax.random.wrap_key_data(leaf(jax.random.key_data(x), s),
+                                      impl=jax.random.key_impl(x))
+    return jax.device_put(np.asarray(x), s)
+  if isinstance(shardings, NamedSharding):
+    return jax.tree.map(lambda x: leaf(x, shardings), tree)
+  return jax.tree.map(leaf, tree, shardings)
+
+
 def shard_params(params: LlamaParams, cfg: ModelConfig,
                  mesh: Mesh) -> LlamaParams:
   """The target's weights placed on ``mesh`` (``param_specs``)."""
-  return jax.device_put(params, _named(param_specs(params, cfg, mesh), mesh))
+  return _put(params, _named(param_specs(params, cfg, mesh), mesh))
 
 
 def shard_batch(tree: Any, mesh: Mesh):
   """Prompts, lengths (or any tree of ``[B, ...]`` arrays) split over
   ``data``."""
   B = jax.tree.leaves(tree)[0].shape[0]
-  return jax.device_put(tree, _named(batch_specs(tree, B, mesh), mesh))
+  return _put(tree, _named(batch_specs(tree, B, mesh), mesh))
 
 
 def replicate(tree: Any, mesh: Mesh):
   """A copy of every leaf on every device: keys, scalars."""
-  return jax.device_put(tree, NamedSharding(mesh, P()))
+  return _put(tree, NamedSharding(mesh, P()))
 
 
 def place_drafter_params(tree: Any, mesh: Mesh):
@@ -198,7 +217,7 @@ def place_drafter_params(tree: Any, mesh: Mesh):
     on_mesh = (isinstance(x, jax.Array)
                and isinstance(x.sharding, NamedSharding)
                and x.sharding.mesh == mesh)
-    return x if on_mesh else jax.device_put(x, NamedSharding(mesh, P()))
+    return x if on_mesh else _put(x, NamedSharding(mesh, P()))
   return jax.tree.map(leaf, tree)
 
 
