@@ -135,6 +135,9 @@ def _add_model_args(p, several: bool = False):
   p.add_argument("--head", default=None,
                  help="--method eagle, eagle3, medusa: a head file (default: "
                  "the shipped one)")
+  p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                 help="weights and KV cache (default: float32 on a CPU, "
+                 "bfloat16 on GPUs/TPUs); logits and verification stay f32")
   p.add_argument("--mesh", default=None, metavar="data=D,model=M",
                  help="decode over a device mesh: rows split over D devices, "
                  "the target tensor-parallel over M (D x M = the device "
@@ -233,7 +236,8 @@ def _sampling(args):
     raise UsageError(f"--{field.replace('_', '-')} {rest}") from None
 
 
-def _load(name: str, mesh_spec: Optional[str] = None):
+def _load(name: str, mesh_spec: Optional[str] = None,
+          dtype: Optional[str] = None):
   from specjax import sharding
   from specjax.assets import AssetError
   from specjax.models.registry import load_model
@@ -243,7 +247,7 @@ def _load(name: str, mesh_spec: Optional[str] = None):
   except sharding.MeshError as e:
     raise UsageError(f"--mesh: {e}") from None
   try:
-    return load_model(name, mesh=mesh)
+    return load_model(name, dtype, mesh=mesh)
   except (AssetError, WeightError, ValueError, OSError) as e:
     raise UsageError(str(e)) from None
 
@@ -271,7 +275,7 @@ def cmd_generate(args) -> int:
   spec = specs[0]
   sampling = _sampling(args)
   prompts = _read_prompts(args)
-  model = _load(args.model, args.mesh)
+  model = _load(args.model, args.mesh, args.dtype)
   ids = _encode(model, prompts, chat=not args.no_chat_template)
   _check_fits(model, ids, args.max_new_tokens, spec.k)
   drafter, drafter_params = _build(model, spec)
@@ -340,7 +344,7 @@ def cmd_bench(args) -> int:
     prompts = data.load_prompts(args.dataset, args.num_prompts)
   except (data.DataError, data.AssetError) as e:
     raise UsageError(str(e)) from None
-  model = _load(args.model, args.mesh)
+  model = _load(args.model, args.mesh, args.dtype)
   ids = _encode(model, prompts, chat=args.dataset != "humaneval")
   _check_fits(model, ids, args.max_new_tokens, max(s.k for s in specs))
   built = [(s, *_build(model, s)) for s in specs]  # bad knobs fail here
