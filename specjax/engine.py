@@ -18,6 +18,12 @@ it generated; the last of these has been sampled but not yet fed to the model,
 so the target cache always holds ``num_tokens - 1`` entries while a row runs.
 A step writes K + 1 cache entries from slot ``num_tokens - 1`` on; only the
 accepted ones stay below the new length, the rest are masked and overwritten.
+
+Non-finite logits (a NaN or inf from broken weights or an overflow) are never
+sampled from: a step uses a row's positions (tree nodes) only up to the first
+whose logits are not all finite, so the row emits what AR would have emitted
+before it, and a row whose newest token's logits are not finite stops with
+``STOP_NONFINITE``, keeping the tokens before.
 """
 
 from __future__ import annotations
@@ -40,9 +46,9 @@ from specjax.sampling import SamplingParams, sample_logits, warp
 from specjax.verify import verify_chain
 
 # Per-row stop reasons (``DecodeState.stop_reason``).
-RUNNING, STOP_EOS, STOP_BUDGET, STOP_CAPACITY = 0, 1, 2, 3
+RUNNING, STOP_EOS, STOP_BUDGET, STOP_CAPACITY, STOP_NONFINITE = 0, 1, 2, 3, 4
 STOP_NAMES = {RUNNING: "running", STOP_EOS: "eos", STOP_BUDGET: "length",
-              STOP_CAPACITY: "capacity"}
+              STOP_CAPACITY: "capacity", STOP_NONFINITE: "nonfinite"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +105,8 @@ class DecodeState:
     num_tokens: ``int32[B]`` valid entries of ``tokens``.
     prompt_lengths: ``int32[B]``.
     max_new_tokens: ``int32[]`` per-row budget of generated tokens.
-    stop_reason: ``int32[B]``: RUNNING, STOP_EOS, STOP_BUDGET or STOP_CAPACITY.
+    stop_reason: ``int32[B]``: RUNNING, STOP_EOS, STOP_BUDGET, STOP_CAPACITY
+      or STOP_NONFINITE.
     cache: target KV cache, ``lengths == num_tokens - 1`` while running.
     drafter_state: the drafter's own state (e.g. its cache), or None.
     key: PRNG key for the next step.
@@ -149,9 +156,11 @@ def _laid_out(state: DecodeState, model_cfg: ModelConfig,
 
 
 def _update_stops(state: DecodeState, hit_eos_B: jax.Array,
-                  dcfg: DecodeConfig) -> DecodeState:
+                  dcfg: DecodeConfig,
+                  nonfinite_B: Optional[jax.Array] = None) -> DecodeState:
   """Marks rows that just stopped; the first reason to fire wins."""
   clauses = (
+      (STOP_NONFINITE, False if nonfinite_B is None else nonfinite_B),
       (STOP_EOS, hit_eos_B),
       (STOP_BUDGET, state.num_new_tokens >= state.max_new_tokens),
       # The token buffer is full: AR's clause for every method (``_propose``
@@ -202,6 +211,17 @@ def _verify_forward(params, model_cfg, block_BT, cache, taps, width: int,
                      new_kv=jax.tree.map(lambda a: pad(a, 1), out.new_kv))
 
 
+def _finite(logits_BTV: jax.Array) -> jax.Array:
+  """``bool[B, T]``: every logit at the position is finite."""
+  return jnp.all(jnp.isfinite(logits_BTV), axis=-1)
+
+
+def _usable_logits(logits_BTV: jax.Array, finite_BT: jax.Array) -> jax.Array:
+  """Non-finite positions zeroed: the step never reads them (their drafts
+  or nodes are cut), and nothing computed over the block can turn NaN."""
+  return jnp.where(finite_BT[..., None], logits_BTV, 0.0)
+
+
 def _is_eos(tokens, dcfg: DecodeConfig):
   return jnp.isin(tokens, jnp.asarray(dcfg.eos_ids or (-1,), jnp.int32))
 
@@ -232,16 +252,19 @@ def prefill(params: llama.LlamaParams, prompt_BT: jax.Array,
   out = llama.forward(params, model_cfg, prompt_BT, cache, taps=taps,
                       logit_positions_BP=(lengths - 1)[:, None])
   key, sub = jax.random.split(key)
-  first_B = sample_logits(out.logits[:, 0], dcfg.sampling, sub)
+  ok_B = _finite(out.logits)[:, 0]
+  first_B = sample_logits(_usable_logits(out.logits, ok_B[:, None])[:, 0],
+                          dcfg.sampling, sub)
   tokens = jnp.zeros((B, S), jnp.int32).at[:, :Tp].set(prompt_BT)
-  tokens = set_at_rows(tokens, lengths, first_B, mode="drop")
+  tokens = set_at_rows(tokens, jnp.where(ok_B, lengths, S), first_B,
+                       mode="drop")
   drafter_state = None
   if dcfg.drafter is not None:
     drafter_state = dcfg.drafter.init(drafter_params, prompt_BT, lengths, S,
                                       dcfg.k, _features(out))
   zeros_B = jnp.zeros((B,), jnp.int32)
   state = DecodeState(
-      tokens=tokens, num_tokens=lengths + 1, prompt_lengths=lengths,
+      tokens=tokens, num_tokens=lengths + ok_B, prompt_lengths=lengths,
       max_new_tokens=jnp.asarray(max_new_tokens, jnp.int32),
       stop_reason=zeros_B, cache=out.cache.with_lengths(lengths),
       drafter_state=drafter_state, key=key,
@@ -249,8 +272,8 @@ def prefill(params: llama.LlamaParams, prompt_BT: jax.Array,
       num_forwards=zeros_B,
       num_drafted=zeros_B, accepted_at=jnp.zeros((B, dcfg.k), jnp.int32),
       accepted_nodes=jnp.zeros((B, dcfg.tree_nodes), jnp.int32))
-  return _laid_out(_update_stops(state, _is_eos(first_B, dcfg), dcfg),
-                   model_cfg, dcfg)
+  return _laid_out(_update_stops(state, _is_eos(first_B, dcfg) & ok_B, dcfg,
+                                 nonfinite_B=~ok_B), model_cfg, dcfg)
 
 
 def _propose(drafter_params, state: DecodeState, dcfg: DecodeConfig,
@@ -356,8 +379,20 @@ def _chain_step(params, state: DecodeState, model_cfg: ModelConfig,
   prop = _propose(drafter_params, state, dcfg, k_draft)
   out, wide = _score(params, state, prop, live_B, model_cfg=model_cfg,
                      dcfg=dcfg)
-  res = verify_chain(prop.tokens, prop.probs, warp(out.logits, dcfg.sampling),
-                     prop.num_draft, k_verify, greedy=dcfg.sampling.greedy)
+  # Accepting j drafts reads positions 0..j: stop before the first
+  # non-finite one (the module doc).
+  finite_BT = _finite(out.logits)
+  T = finite_BT.shape[1]
+  first_bad_B = jnp.where(jnp.all(finite_BT, axis=1), T,
+                          jnp.argmin(finite_BT, axis=1))
+  nonfinite_B = live_B & (first_bad_B == 0)
+  live_B &= ~nonfinite_B
+  res = verify_chain(prop.tokens, prop.probs,
+                     warp(_usable_logits(out.logits, finite_BT),
+                          dcfg.sampling),
+                     jnp.minimum(prop.num_draft,
+                                 jnp.maximum(first_bad_B - 1, 0)),
+                     k_verify, greedy=dcfg.sampling.greedy)
   tokens, n_B, hit_eos_B = _emit(state, res.tokens, res.num_emitted, live_B,
                                  dcfg)
   num_tokens = state.num_tokens + n_B
@@ -370,7 +405,7 @@ def _chain_step(params, state: DecodeState, model_cfg: ModelConfig,
   cache = state.cache.write(out.new_kv, state.cache.new_slots(dcfg.block))
   state = _tally(state, cache, live_B, wide, prop.num_draft,
                  res.num_accepted, dcfg.k)
-  return _update_stops(state, hit_eos_B, dcfg)
+  return _update_stops(state, hit_eos_B, dcfg, nonfinite_B)
 
 
 def _propose_tree(drafter_params, state: DecodeState, dcfg: DecodeConfig,
@@ -404,7 +439,16 @@ def _tree_step(params, state: DecodeState, model_cfg: ModelConfig,
       mask_BTT=anc_BMM)
   wide = jnp.any((tree.num_drafted > 0) & live_B)
   out = jax.lax.cond(wide, lambda: verify(dcfg.block), lambda: verify(1))
-  res = trees.verify_tree(tree, anc_BMM, warp(out.logits, dcfg.sampling),
+  # A node whose logits are not finite cannot end the path and its subtree
+  # cannot be accepted: the subtree is cut (the module doc).
+  finite_BM = _finite(out.logits)
+  nonfinite_B = live_B & ~finite_BM[:, 0]
+  live_B &= ~nonfinite_B
+  tree = tree.replace(valid=(tree.valid & ~jnp.any(
+      anc_BMM & ~finite_BM[:, None, :], axis=-1)).at[:, 0].set(True))
+  res = trees.verify_tree(tree, anc_BMM,
+                          warp(_usable_logits(out.logits, finite_BM),
+                               dcfg.sampling),
                           k_verify, dcfg.sampling, dcfg.k)
   tokens, n_B, hit_eos_B = _emit(state, res.tokens, res.num_emitted, live_B,
                                  dcfg)
@@ -423,7 +467,7 @@ def _tree_step(params, state: DecodeState, model_cfg: ModelConfig,
   cache = state.cache.write(path_kv, state.cache.new_slots(dcfg.k + 1))
   state = _tally(state, cache, live_B, wide, tree.num_drafted,
                  res.num_accepted, dcfg.k, res.path)
-  return _update_stops(state, hit_eos_B, dcfg)
+  return _update_stops(state, hit_eos_B, dcfg, nonfinite_B)
 
 
 def generate(params: llama.LlamaParams, prompt_BT: jax.Array,

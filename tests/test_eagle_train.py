@@ -395,3 +395,24 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_head(tiny_model,
     assert np.all(np.isfinite(a))
     np.testing.assert_allclose(a, np.asarray(b, np.float32), rtol=1e-2,
                                atol=1e-2)
+
+
+def test_a_checkpoint_that_does_not_fit_is_named(tiny_model, tmp_path):
+  """Resuming in a workdir whose checkpoint holds another head (here a
+  different draft vocabulary) or a damaged one fails with one ValueError
+  naming the checkpoint, before any step runs."""
+  ex = _examples()
+  cfg = dataclasses.replace(CFG, steps=2)
+  etrain.train(cfg, tmp_path / "w", model=tiny_model, examples=ex,
+               progress=False)
+  other = dataclasses.replace(cfg, steps=4, draft_vocab=20)
+  with pytest.raises(ValueError, match=r"checkpoint '.*w/ckpt/2' does not "
+                                       r"fit this run"):
+    etrain.train(other, tmp_path / "w", model=tiny_model, examples=ex,
+                 progress=False)
+  for f in (tmp_path / "w" / "ckpt" / "2").rglob("*"):
+    if f.is_file() and f.stat().st_size > 64:
+      f.write_bytes(f.read_bytes()[:16])
+  with pytest.raises(ValueError, match=r"checkpoint '.*w/ckpt/2'"):
+    etrain.train(dataclasses.replace(cfg, steps=4), tmp_path / "w",
+                 model=tiny_model, examples=ex, progress=False)

@@ -439,3 +439,74 @@ def test_warm_layer_starts_as_the_target_layer_the_high_tap_feeds(tmp_path):
   packed = warm_layer(head, hcfg, llama.pack_params(tparams))
   for a, b in zip(jax.tree.leaves(packed), jax.tree.leaves(head)):
     np.testing.assert_array_equal(a, b)
+
+
+def _eagle_joint_first_three(tparams, tcfg, hcfg, dparams, n=60_000,
+                             seed=0):
+  """n rows of one prompt through the engine at T = 1 with an EAGLE-3
+  drafter (K = 2, dynamic K at 0.05): the histogram of the first three
+  generated tokens (the prefill's, then one verify step's two: draft
+  positions 0 and 1) and the target's exact joint q(t1) q(t2|t1) q(t3|t1 t2)."""
+  from specjax import engine
+  from specjax.drafters.eagle import EagleDrafter
+  from specjax.sampling import SamplingParams
+  prompt = [4, 8, 15, 16]
+  V = tcfg.vocab_size
+  dcfg = engine.DecodeConfig(capacity=16, sampling=SamplingParams(1.0),
+                             drafter=EagleDrafter(hcfg, min_confidence=0.05),
+                             num_draft=2)
+  st = engine.generate_jit(tparams, jnp.tile(jnp.array([prompt]), (n, 1)),
+                           jnp.full((n,), 4, jnp.int32), jax.random.key(seed),
+                           np.int32(3), model_cfg=tcfg, dcfg=dcfg,
+                           drafter_params=dparams)
+  t = np.asarray(st.tokens[:, 4:7])
+  counts = np.bincount((t[:, 0] * V + t[:, 1]) * V + t[:, 2],
+                       minlength=V ** 3)
+  fwd = lambda seqs: jax.nn.softmax(llama.forward(
+      tparams, tcfg, seqs, llama.init_cache(tcfg, len(seqs), 8)).logits[:, -1])
+  q1 = fwd(jnp.array([prompt]))[0]
+  q2 = fwd(jnp.array([prompt + [a] for a in range(V)]))
+  q3 = fwd(jnp.array([prompt + [a, b] for a in range(V) for b in range(V)]))
+  joint = (q1[:, None, None] * q2[:, :, None] * q3.reshape(V, V, V))
+  return counts, np.asarray(joint).ravel() * n, np.asarray(st.num_drafted)
+
+
+@pytest.mark.long
+def test_eagle_sampling_through_the_engine_is_exact(tmp_path, monkeypatch):
+  """Invariant (T = 1, 60,000 rows through the engine, EAGLE-3 head drafting
+  K = 2 with dynamic K): the first three generated tokens — the second and
+  third verified at draft positions 0 and 1 — follow the target's joint
+  distribution (chi-square over cells expecting >= 5, the rest pooled,
+  below the 99.9% critical value), and the threshold cuts some rows'
+  drafts. The head is untrained: its draft distributions differ from the
+  target's, so both acceptance and the residual draws carry the mass.
+  Mutation: dynamic K on the drawn token's own probability (the tempting
+  rule) must fail."""
+  from specjax.drafters import chain
+  from specjax.drafters.eagle import EagleParams
+  from specjax.models.hf_loader import load_hf
+  from specjax.training.train import init_head
+  from tests.test_speculative import _chi2
+  from tests.tiny_hf import make_tiny
+  make_tiny("llama_gqa_tied", tmp_path, seed=3)
+  tcfg, tparams = load_hf(tmp_path)
+  hcfg = HeadConfig.for_target(tcfg, 37, taps=(0, 1, 2))
+  vocab = build_draft_vocab([np.arange(37)], 37, 37)
+  dparams = EagleParams(head=init_head(jax.random.key(0), hcfg, tparams,
+                                       vocab),
+                        draft_ids=jnp.asarray(vocab.ids), embed=tparams.embed)
+  counts, expected, drafted = _eagle_joint_first_three(tparams, tcfg, hcfg,
+                                                       dparams)
+  stat, crit = _chi2(counts, expected)
+  assert stat < crit, (stat, crit)
+  assert 0 < (drafted < 2).mean() < 1
+
+  def biased(logits_BV, probs_BV, tok_B, min_confidence):
+    return probs_BV[jnp.arange(tok_B.shape[0]), tok_B] >= min_confidence
+
+  monkeypatch.setattr(chain, "keep_drafting", biased)
+  jax.clear_caches()
+  counts, expected, _ = _eagle_joint_first_three(tparams, tcfg, hcfg, dparams)
+  jax.clear_caches()
+  stat, crit = _chi2(counts, expected)
+  assert stat > crit, (stat, crit)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import zipfile
 
 import jax
 import jax.numpy as jnp
@@ -40,19 +41,22 @@ def load_head(path, target: ModelConfig | None = None):
   """``(HeadConfig, params (f32), draft_ids)``; checks fit to ``target``."""
   try:
     z = np.load(path)
-  except (OSError, ValueError) as e:
-    raise ValueError(f"cannot read EAGLE head {str(path)!r}: {e}") from None
+  except (OSError, ValueError, zipfile.BadZipFile) as e:
+    raise ValueError(f"cannot read head file {str(path)!r}: {e}") from None
   with z:
     if "meta" not in z:
-      raise ValueError(f"{str(path)!r} is not an EAGLE head file")
-    meta = json.loads(bytes(z["meta"]).decode())
-    c = meta["config"]
-    cfg = HeadConfig(**{**c, "taps": tuple(c["taps"])})
-    bf16 = meta["dtype"] == "bfloat16"
-    flat = {k[len("param/"):]: jnp.asarray(
-        z[k].view(jnp.bfloat16) if bf16 else z[k], jnp.float32)
-            for k in z.files if k.startswith("param/")}
-    draft_ids = jnp.asarray(z["draft_ids"])
+      raise ValueError(f"{str(path)!r} is not a head file (no meta entry)")
+    try:
+      meta = json.loads(bytes(z["meta"]).decode())
+      c = meta["config"]
+      cfg = HeadConfig(**{**c, "taps": tuple(c["taps"])})
+      bf16 = meta["dtype"] == "bfloat16"
+      flat = {k[len("param/"):]: jnp.asarray(
+          z[k].view(jnp.bfloat16) if bf16 else z[k], jnp.float32)
+              for k in z.files if k.startswith("param/")}
+      draft_ids = jnp.asarray(z["draft_ids"])
+    except (KeyError, TypeError, ValueError, zipfile.BadZipFile) as e:
+      raise ValueError(f"head file {str(path)!r} is damaged: {e!r}") from None
   if target is not None:
     cfg.check_fits(target)
   return cfg, traverse_util.unflatten_dict(flat, sep="/"), draft_ids

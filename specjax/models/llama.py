@@ -283,7 +283,8 @@ def attention(q_BTNH, kc_BGHS, vc_BGSH, mask_BQS, new=None):
   which slots those rows see (``query_mask``; ``[B, 1, S]`` broadcasts),
   ``mask_BQT`` which new tokens. Masked scores are replaced (not added to)
   and values no row sees are zeroed, so whatever a stale slot holds (NaN,
-  inf) never reaches the output.
+  inf) never reaches the output; a non-finite new value reaches exactly
+  the queries that see it.
   """
   B, T, N, H = q_BTNH.shape
   G, S = kc_BGHS.shape[1], kc_BGHS.shape[-1]
@@ -304,8 +305,18 @@ def attention(q_BTNH, kc_BGHS, vc_BGSH, mask_BQS, new=None):
   p_BGQS = p_BGQX[..., :S].astype(v_BGSH.dtype)
   out_BGQH = jnp.einsum("bgqs,bgsh->bgqh", p_BGQS, v_BGSH)
   if new is not None:
+    # A query sees only some new tokens, and 0 x NaN is NaN: a non-finite
+    # value enters the product as 0 and makes exactly the queries that see
+    # it NaN (a broken later draft must not poison the earlier positions).
+    finite_BTG = jnp.all(jnp.isfinite(v_BTGH), axis=-1)
     p_BGQT = p_BGQX[..., S:].astype(v_BTGH.dtype)
-    out_BGQH = out_BGQH + jnp.einsum("bgqt,btgh->bgqh", p_BGQT, v_BTGH)
+    out_BGQH = out_BGQH + jnp.einsum(
+        "bgqt,btgh->bgqh", p_BGQT,
+        jnp.where(finite_BTG[..., None], v_BTGH, 0))
+    sees_bad_BGQ = jnp.any(
+        mask_BQT[:, None] & ~finite_BTG.transpose(0, 2, 1)[:, :, None, :],
+        axis=-1)
+    out_BGQH = jnp.where(sees_bad_BGQ[..., None], jnp.nan, out_BGQH)
   return out_BGQH.reshape(B, G, T, R, H).transpose(0, 2, 1, 3, 4).reshape(
       B, T, N * H)
 

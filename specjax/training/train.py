@@ -357,10 +357,20 @@ def checkpoints(workdir) -> "ocp.CheckpointManager":
 
 
 def _restore(mngr, step: int, like):
-  """The state saved at ``step``, shaped like ``like``."""
+  """The state saved at ``step``, shaped like ``like`` (and laid out like
+  it: a checkpoint restores onto whatever mesh ``like`` lives on). Raises
+  ValueError naming the checkpoint when it does not fit ``like`` or cannot
+  be read."""
   import orbax.checkpoint as ocp
-  return mngr.restore(step, args=ocp.args.StandardRestore(
-      jax.tree.map(ocp.utils.to_shape_dtype_struct, like)))
+  try:
+    return mngr.restore(step, args=ocp.args.StandardRestore(
+        jax.tree.map(ocp.utils.to_shape_dtype_struct, like)))
+  except (ValueError, KeyError, TypeError, OSError) as e:
+    where = pathlib.Path(mngr.directory) / str(step)
+    first = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
+    raise ValueError(f"checkpoint {str(where)!r} does not fit this run (a "
+                     f"different head or optimizer, or damaged): {first[:300]}"
+                     ) from None
 
 
 def restore_params(workdir, step: int, s: Setup, cfg: TrainConfig):

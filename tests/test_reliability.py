@@ -1,0 +1,169 @@
+"""What a library others build on must survive (issue 19): non-finite logits,
+batch composition, random shapes and degenerate distributions through the
+verifiers, damaged head files."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from specjax import bucketing, engine, verify
+from specjax.drafters import NGramDrafter
+from specjax.models.hf_loader import load_hf
+from specjax.sampling import SamplingParams, warp
+from tests.tiny_hf import make_tiny
+
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 1, 9, 1, 9],
+           [3, 4, 3, 4, 3, 4, 3, 4, 3, 4, 3, 4, 3], [20, 21]]
+METHODS = {"ar": {}, "ngram": dict(drafter=NGramDrafter(), num_draft=4),
+           "ngram_trie": dict(drafter=NGramDrafter(num_paths=3), num_draft=4,
+                              tree_nodes=8)}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+  """Untied embeddings: poisoning one input row leaves every logit finite
+  until that token is fed."""
+  d = tmp_path_factory.mktemp("reliability_tiny")
+  make_tiny("qwen2_bias_untied", d, seed=2)
+  return load_hf(d)
+
+
+def _run(params, cfg, prompts, max_new=14, seed=0, sampling=SamplingParams(),
+         drafter_params=None, **kw):
+  prompt_BT, lengths = bucketing.pad_prompts(prompts)
+  st_ = engine.generate_jit(params, prompt_BT, lengths, jax.random.key(seed),
+                            np.int32(max_new), model_cfg=cfg,
+                            dcfg=engine.DecodeConfig(capacity=64,
+                                                     sampling=sampling, **kw),
+                            drafter_params=drafter_params)
+  return ([st_.tokens[b, lengths[b]:st_.num_tokens[b]].tolist()
+           for b in range(len(prompts))],
+          [engine.STOP_NAMES[int(r)] for r in st_.stop_reason])
+
+
+def _poison(clean):
+  """A token that row 2 generates at index j >= 2 and that nothing else
+  (the other rows' prompts and outputs, row 2's prompt and earlier output)
+  contains: ``(token, j)``."""
+  others = set(t for b in (0, 1, 3) for t in PROMPTS[b] + clean[b])
+  for j in range(2, len(clean[2])):
+    t = clean[2][j]
+    if t not in others and t not in PROMPTS[2] + clean[2][:j]:
+      return t, j
+  raise AssertionError("no token to poison; change the seed")
+
+
+@pytest.mark.parametrize("method", sorted(METHODS) + ["draft_model"])
+def test_nonfinite_logits_stop_the_row_where_ar_would(tiny, method):
+  """Invariant (T = 0): with one embedding row of the target set to NaN,
+  (1) a row that generates that token emits exactly the clean AR output up
+  to and including it, then stops as "nonfinite"; (2) a row whose prompt
+  holds it emits nothing and stops as "nonfinite"; (3) the other rows are
+  untouched. AR, n-gram chains and tries, and a draft model (the clean
+  target: it drafts the poisoned token inside a block, and the step must
+  cut its drafts before the first non-finite position; and the attention
+  must keep a NaN value at a later block position out of the earlier
+  positions' outputs, or (3) fails: 0 x NaN). Mutation: without the cut
+  the draft-model row emits a token read from zeroed NaN logits after the
+  poisoned one and (1) fails."""
+  from specjax.drafters import DraftModelDrafter
+  cfg, params = tiny
+  clean, _ = _run(params, cfg, PROMPTS)
+  t, j = _poison(clean)
+  bad = params.replace(embed=params.embed.at[t].set(jnp.nan))
+  kw = (dict(drafter=DraftModelDrafter(cfg), num_draft=3,
+             drafter_params=params) if method == "draft_model"
+        else METHODS[method])
+  out, why = _run(bad, cfg, PROMPTS + [[t, 5]], **kw)
+  assert out[2] == clean[2][:j + 1] and why[2] == "nonfinite"
+  assert out[4] == [] and why[4] == "nonfinite"
+  for b in (0, 1, 3):
+    assert out[b] == clean[b] and why[b] == "length"
+
+
+def test_a_rows_output_does_not_depend_on_its_batch(tiny):
+  """Invariant: row 0's output (greedy, and sampled with a fixed seed at
+  the same batch index) is the same whatever the other rows are —
+  different prompts, lengths, stops and drafts — for AR and n-gram."""
+  cfg, params = tiny
+  alone = [PROMPTS[0]]
+  companions = ([PROMPTS[0], PROMPTS[2], PROMPTS[3]],
+                [PROMPTS[0], [7] * 20, [1]])
+  for sampling in (SamplingParams(), SamplingParams(0.8, top_p=0.9)):
+    for method in ("ar", "ngram"):
+      ref, _ = _run(params, cfg, alone, sampling=sampling, **METHODS[method])
+      for batch in companions:
+        got, _ = _run(params, cfg, batch, sampling=sampling,
+                      **METHODS[method])
+        assert got[0] == ref[0], (sampling, method)
+
+
+def _dist(kind: str, rng, V: int) -> np.ndarray:
+  if kind == "one_hot":
+    return np.eye(V)[rng.integers(V)]
+  if kind == "uniform":
+    return np.full(V, 1.0 / V)
+  p = rng.dirichlet(np.full(V, 0.3))
+  return p
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(B=st.integers(1, 4), K=st.integers(0, 4), V=st.integers(2, 9),
+       seed=st.integers(0, 2**31 - 1),
+       kinds=st.tuples(*[st.sampled_from(["one_hot", "uniform", "random"])]
+                       * 2),
+       top_k=st.integers(0, 3), top_p=st.sampled_from([1.0, 0.5, 1e-6]),
+       temperature=st.sampled_from([0.0, 0.7, 1.0]))
+def test_chain_verification_invariants(B, K, V, seed, kinds, top_k, top_p,
+                                       temperature):
+  """Invariants of ``verify_chain`` over random shapes (num_draft 0..K per
+  row, K = 0 included), degenerate target and draft distributions (one-hot,
+  uniform) and warps that remove all but one token (top-k 1, top-p 1e-6):
+  (1) 0 <= accepted <= num_draft and emitted = accepted + 1; (2) the
+  emitted tokens are the accepted drafts followed by one more; (3) every
+  emitted token has positive probability under the warped target at its
+  position; (4) at T = 0 the emitted tokens are the greedy path; (5) a
+  draft with zero target probability is never accepted."""
+  rng = np.random.default_rng(seed)
+  sp = SamplingParams(temperature, top_k, top_p)
+  logits = np.log(np.stack([[_dist(kinds[0], rng, V) for _ in range(K + 1)]
+                            for _ in range(B)]) + 1e-30)
+  q = np.asarray(warp(jnp.asarray(logits, jnp.float32), sp))
+  p = np.stack([[_dist(kinds[1], rng, V) for _ in range(K)]
+                for _ in range(B)]).reshape(B, K, V)
+  drafts = np.stack([[rng.choice(V, p=p[b, i]) for i in range(K)]
+                     for b in range(B)]).reshape(B, K).astype(np.int32)
+  num_draft = rng.integers(0, K + 1, B).astype(np.int32)
+  res = verify.verify_chain(jnp.asarray(drafts),
+                            None if sp.greedy else jnp.asarray(p, jnp.float32),
+                            jnp.asarray(q), jnp.asarray(num_draft),
+                            jax.random.key(seed), greedy=sp.greedy)
+  acc, n, toks = (np.asarray(res.num_accepted), np.asarray(res.num_emitted),
+                  np.asarray(res.tokens))
+  assert ((0 <= acc) & (acc <= num_draft)).all() and (n == acc + 1).all()
+  for b in range(B):
+    assert (toks[b, :acc[b]] == drafts[b, :acc[b]]).all()
+    for i in range(n[b]):
+      assert q[b, i, toks[b, i]] > 0, (b, i)
+      if sp.greedy:
+        assert toks[b, i] == np.argmax(q[b, i])
+
+
+def test_damaged_head_files_are_named(tmp_path):
+  """A truncated or foreign head file fails with one error naming it."""
+  from specjax.heads.export import load_head
+  from specjax.models.config import ModelConfig
+  cfg = ModelConfig(vocab_size=37, dim=24, num_layers=3, num_heads=6,
+                    num_kv_heads=2, head_dim=4, ffn_dim=40)
+  truncated = tmp_path / "truncated.npz"
+  truncated.write_bytes(b"PK\x03\x04" + b"\x00" * 40)
+  foreign = tmp_path / "foreign.npz"
+  np.savez(foreign, weights=np.zeros(3))
+  bad_meta = tmp_path / "bad_meta.npz"
+  np.savez(bad_meta, meta=np.frombuffer(b'{"config": {"x": 1}}', np.uint8))
+  for path in (truncated, foreign, bad_meta):
+    with pytest.raises(ValueError, match=path.name):
+      load_head(path, cfg)
