@@ -444,16 +444,17 @@ def test_warm_layer_starts_as_the_target_layer_the_high_tap_feeds(tmp_path):
 def _eagle_joint_first_three(tparams, tcfg, hcfg, dparams, n=60_000,
                              seed=0):
   """n rows of one prompt through the engine at T = 1 with an EAGLE-3
-  drafter (K = 2, dynamic K at 0.05): the histogram of the first three
-  generated tokens (the prefill's, then one verify step's two: draft
-  positions 0 and 1) and the target's exact joint q(t1) q(t2|t1) q(t3|t1 t2)."""
+  drafter (K = 2, dynamic K at 0.1): the histogram of the first three
+  generated tokens (the prefill's, then the first verify step's: draft
+  positions 0 and 1), the target's exact joint q(t1) q(t2|t1) q(t3|t1 t2)
+  and each row's drafted count."""
   from specjax import engine
   from specjax.drafters.eagle import EagleDrafter
   from specjax.sampling import SamplingParams
   prompt = [4, 8, 15, 16]
   V = tcfg.vocab_size
   dcfg = engine.DecodeConfig(capacity=16, sampling=SamplingParams(1.0),
-                             drafter=EagleDrafter(hcfg, min_confidence=0.05),
+                             drafter=EagleDrafter(hcfg, min_confidence=0.1),
                              num_draft=2)
   st = engine.generate_jit(tparams, jnp.tile(jnp.array([prompt]), (n, 1)),
                            jnp.full((n,), 4, jnp.int32), jax.random.key(seed),
@@ -477,8 +478,8 @@ def test_eagle_sampling_through_the_engine_is_exact(tmp_path, monkeypatch):
   K = 2 with dynamic K): the first three generated tokens — the second and
   third verified at draft positions 0 and 1 — follow the target's joint
   distribution (chi-square over cells expecting >= 5, the rest pooled,
-  below the 99.9% critical value), and the threshold cuts some rows'
-  drafts. The head is untrained: its draft distributions differ from the
+  below the 99.9% critical value), and the threshold leaves some rows
+  without drafts and not others. The head is untrained: its draft distributions differ from the
   target's, so both acceptance and the residual draws carry the mass.
   Mutation: dynamic K on the drawn token's own probability (the tempting
   rule) must fail."""
@@ -495,11 +496,11 @@ def test_eagle_sampling_through_the_engine_is_exact(tmp_path, monkeypatch):
   dparams = EagleParams(head=init_head(jax.random.key(0), hcfg, tparams,
                                        vocab),
                         draft_ids=jnp.asarray(vocab.ids), embed=tparams.embed)
-  counts, expected, drafted = _eagle_joint_first_three(tparams, tcfg, hcfg,
-                                                       dparams)
+  counts, expected, drafted = _eagle_joint_first_three(tparams, tcfg,
+                                                       hcfg, dparams)
   stat, crit = _chi2(counts, expected)
   assert stat < crit, (stat, crit)
-  assert 0 < (drafted < 2).mean() < 1
+  assert 0 < (drafted == 0).mean() < 1  # ragged: some rows drafted none
 
   def biased(logits_BV, probs_BV, tok_B, min_confidence):
     return probs_BV[jnp.arange(tok_B.shape[0]), tok_B] >= min_confidence

@@ -109,7 +109,7 @@ def _dist(kind: str, rng, V: int) -> np.ndarray:
   return p
 
 
-@settings(max_examples=40, deadline=None,
+@settings(max_examples=25, deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(B=st.integers(1, 4), K=st.integers(0, 4), V=st.integers(2, 9),
        seed=st.integers(0, 2**31 - 1),
