@@ -47,6 +47,10 @@ def _build_parser() -> argparse.ArgumentParser:
                  help="feed the prompt text as is")
   g.add_argument("--json", action="store_true",
                  help="print one JSON object per prompt")
+  g.add_argument("--stream", action=argparse.BooleanOptionalAction,
+                 default=None, help="print text as it is generated, one "
+                 "prompt at a time (default: when printing text to a "
+                 "terminal)")
 
   b = sub.add_parser("bench", help="speculative vs AR on a dataset, one run")
   _add_model_args(b, several=True)
@@ -280,6 +284,12 @@ def cmd_generate(args) -> int:
   _check_fits(model, ids, args.max_new_tokens, spec.k)
   drafter, drafter_params = _build(model, spec)
 
+  if args.stream and args.json:
+    raise UsageError("--stream prints text; it does not go with --json")
+  if args.stream or (args.stream is None and not args.json
+                     and sys.stdout.isatty()):
+    return _stream_generate(args, model, spec, prompts, ids, sampling,
+                            drafter, drafter_params)
   from tqdm import tqdm
   batches = range(0, len(ids), args.batch_size)
   bar = tqdm(batches, desc="generating", unit="batch", file=sys.stderr,
@@ -318,13 +328,45 @@ def cmd_generate(args) -> int:
           print(f"### {start + j + 1}: {prompts[start + j]}")
         print(text.strip() + "\n")
     sys.stdout.flush()
-  if spec.k and not args.json:  # the speculative metrics, aggregated
-    from specjax import bench
-    acc = bench.acceptance_stats(all_rows, spec.k)
-    print(f"[{spec.label()}] tau {acc['tau']:.2f} tokens/verify, acceptance "
-          f"per position {acc['acceptance_per_position']}, accepted-length "
-          f"histogram {acc['accepted_length_histogram']}, "
-          f"{new_tokens / wall:.1f} tokens/s", file=sys.stderr)
+  if spec.k and not args.json:
+    _speculative_summary(spec, all_rows, new_tokens / wall)
+  return 0
+
+
+def _speculative_summary(spec, rows, tokens_per_s: Optional[float]) -> None:
+  """The speculative metrics over all rows, one line on stderr (tokens/s:
+  not for streamed runs, whose wall time holds compiles and host syncs)."""
+  from specjax import bench
+  acc = bench.acceptance_stats(rows, spec.k)
+  speed = "" if tokens_per_s is None else f", {tokens_per_s:.1f} tokens/s"
+  print(f"[{spec.label()}] tau {acc['tau']:.2f} tokens/verify, acceptance "
+        f"per position {acc['acceptance_per_position']}, accepted-length "
+        f"histogram {acc['accepted_length_histogram']}{speed}",
+        file=sys.stderr)
+
+
+def _stream_generate(args, model, spec, prompts, ids, sampling, drafter,
+                     drafter_params) -> int:
+  """``generate`` printing each prompt's text as the steps commit it."""
+  from specjax import runner
+  from specjax.models.tokenizer import StreamDecoder
+  rows = []
+  for i, prompt_ids in enumerate(ids):
+    if len(ids) > 1:
+      print(f"### {i + 1}: {prompts[i]}", flush=True)
+    detok = StreamDecoder(model.tokenizer, skip_special_tokens=True)
+    write = lambda new: (sys.stdout.write(detok.push(new[0])),
+                         sys.stdout.flush())
+    res = runner.stream_ids(model, [prompt_ids], write,
+                            max_new_tokens=args.max_new_tokens,
+                            sampling=sampling, seed=args.seed + i,
+                            drafter=drafter, num_draft=spec.k,
+                            tree_nodes=spec.tree_nodes,
+                            drafter_params=drafter_params)
+    print(detok.flush() + "\n", flush=True)
+    rows += res.rows
+  if spec.k:
+    _speculative_summary(spec, rows, None)
   return 0
 
 

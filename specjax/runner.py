@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
@@ -94,6 +94,50 @@ def generate_ids(model: Model, prompts: Sequence[Sequence[int]], *,
   A model loaded onto a mesh (``Model.mesh``) decodes over all of it: the
   rows split over its ``data`` axis, drafter parameters replicated.
   """
+  args, dcfg, drafter_params = _prepare(
+      model, prompts, max_new_tokens, sampling, seed, drafter, num_draft,
+      tree_nodes, drafter_params)
+  start = time.perf_counter()
+  run = _compiled(args, drafter_params, model, dcfg)
+  compile_s = time.perf_counter() - start
+  start = time.perf_counter()
+  state = run(*args, drafter_params=drafter_params)
+  rows, steps, wide = _rows(state, prompts, args[2])
+  return BatchResult(rows=rows, wall_s=time.perf_counter() - start,
+                     compile_s=compile_s, num_steps=steps,
+                     num_wide_steps=wide)
+
+
+def stream_ids(model: Model, prompts: Sequence[Sequence[int]],
+               on_tokens: Callable[[list[list[int]]], None], *,
+               max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
+               seed: int = 0, drafter=None, num_draft: int = 0,
+               tree_nodes: int = 0, drafter_params=None) -> BatchResult:
+  """``generate_ids`` one step at a time (``engine.stream``: the same jitted
+  step): after the prefill and after every step, ``on_tokens`` gets each
+  row's newly committed token ids. The same tokens as ``generate_ids``;
+  ``wall_s`` includes compiling the prefill and step (``compile_s`` 0)."""
+  args, dcfg, drafter_params = _prepare(
+      model, prompts, max_new_tokens, sampling, seed, drafter, num_draft,
+      tree_nodes, drafter_params)
+  lengths = sharding.to_host(args[2])
+  shown = lengths.copy()
+  start = time.perf_counter()
+  for state in engine.stream(*args, model_cfg=model.config, dcfg=dcfg,
+                             drafter_params=drafter_params):
+    tokens, num = sharding.to_host((state.tokens, state.num_tokens))
+    on_tokens([tokens[b, shown[b]:num[b]].tolist()
+               for b in range(len(prompts))])
+    shown = num
+  rows, steps, wide = _rows(state, prompts, lengths)
+  return BatchResult(rows=rows, wall_s=time.perf_counter() - start,
+                     compile_s=0.0, num_steps=steps, num_wide_steps=wide)
+
+
+def _prepare(model, prompts, max_new_tokens, sampling, seed, drafter,
+             num_draft, tree_nodes, drafter_params):
+  """Checked, padded, placed arguments of ``engine.generate``: ``(args,
+  dcfg, drafter_params)``."""
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
   V = model.config.vocab_size
@@ -110,17 +154,17 @@ def generate_ids(model: Model, prompts: Sequence[Sequence[int]], *,
     args = (model.params, *sharding.shard_batch(args[1:3], model.mesh),
             *sharding.replicate(args[3:], model.mesh))
     drafter_params = sharding.place_drafter_params(drafter_params, model.mesh)
-  start = time.perf_counter()
-  run = _compiled(args, drafter_params, model, dcfg)
-  compile_s = time.perf_counter() - start
-  start = time.perf_counter()
-  state = run(*args, drafter_params=drafter_params)
+  return args, dcfg, drafter_params
+
+
+def _rows(state: engine.DecodeState, prompts, lengths_B):
+  """``(rows, num_steps, num_wide_steps)`` of a finished state."""
   tokens, num, reasons, steps, wide, fwd, drafted, acc, nodes = (
       sharding.to_host((state.tokens, state.num_tokens, state.stop_reason,
-                      state.num_steps, state.num_wide, state.num_forwards,
-                      state.num_drafted, state.accepted_at,
-                      state.accepted_nodes)))
-  wall = time.perf_counter() - start
+                        state.num_steps, state.num_wide, state.num_forwards,
+                        state.num_drafted, state.accepted_at,
+                        state.accepted_nodes)))
+  lengths_B = np.asarray(sharding.to_host(lengths_B))
   rows = [RowResult(prompt_ids=list(map(int, p)),
                     output_ids=tokens[b, lengths_B[b]:num[b]].tolist(),
                     stop_reason=engine.STOP_NAMES[int(reasons[b])],
@@ -128,8 +172,7 @@ def generate_ids(model: Model, prompts: Sequence[Sequence[int]], *,
                     accepted_at=acc[b].tolist(),
                     accepted_nodes=nodes[b].tolist())
           for b, p in enumerate(prompts)]
-  return BatchResult(rows=rows, wall_s=wall, compile_s=compile_s,
-                     num_steps=int(steps), num_wide_steps=int(wide))
+  return rows, int(steps), int(wide)
 
 
 _EXECUTABLES: dict = {}

@@ -189,3 +189,23 @@ def test_generate_json_contract(tmp_path):
     assert r["tokens_per_s"] > 0 and r["wall_s"] > 0
   assert [r["output_ids"] for r in rows] == [r["output_ids"] for r in outs[1]]
 
+
+
+def test_stream_prints_what_generate_prints(capsys, tmp_path):
+  """Invariant: ``--stream`` (the default on a terminal) prints, prompt by
+  prompt as the steps commit tokens, exactly the text ``--no-stream``
+  prints (n-gram drafts: several tokens per step); ``--stream --json`` is
+  a usage error."""
+  f = tmp_path / "p.jsonl"
+  f.write_text('{"prompt": "Repeat: red, green, red, green."}\n'
+               '{"prompt": "Name a color."}\n')
+  args = ("generate", "--prompt-file", str(f), "--max-new-tokens", "12",
+          "--method", "ngram")
+  streamed = _main(capsys, *args, "--stream")
+  batched = _main(capsys, *args, "--no-stream")
+  assert streamed.returncode == batched.returncode == 0, streamed.stderr
+  assert streamed.stdout == batched.stdout and "### 2: Name a color." in (
+      streamed.stdout)
+  assert "tau" in streamed.stderr
+  _assert_usage_error(_main(capsys, *args, "--stream", "--json"),
+                      "--stream", "--json")
