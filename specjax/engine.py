@@ -222,6 +222,32 @@ def _usable_logits(logits_BTV: jax.Array, finite_BT: jax.Array) -> jax.Array:
   return jnp.where(finite_BT[..., None], logits_BTV, 0.0)
 
 
+def _chain_cut(logits_BTV: jax.Array, num_draft_B: jax.Array,
+               live_B: jax.Array):
+  """A chain step's non-finite logits (module doc): ``(usable logits, drafts
+  to verify, live rows that stop)``. Accepting j drafts reads positions
+  0..j, so the drafts end before the first non-finite position."""
+  finite_BT = _finite(logits_BTV)
+  first_bad_B = jnp.where(jnp.all(finite_BT, axis=1), finite_BT.shape[1],
+                          jnp.argmin(finite_BT, axis=1))
+  return (_usable_logits(logits_BTV, finite_BT),
+          jnp.minimum(num_draft_B, jnp.maximum(first_bad_B - 1, 0)),
+          live_B & (first_bad_B == 0))
+
+
+def _tree_cut(logits_BMV: jax.Array, tree, anc_BMM: jax.Array,
+              live_B: jax.Array):
+  """A tree step's non-finite logits (module doc): ``(usable logits, the
+  tree without the nodes whose logits or an ancestor's are not finite,
+  live rows that stop)``: such a node can neither end the path nor have
+  its children accepted."""
+  finite_BM = _finite(logits_BMV)
+  valid_BM = tree.valid & ~jnp.any(anc_BMM & ~finite_BM[:, None, :], axis=-1)
+  return (_usable_logits(logits_BMV, finite_BM),
+          tree.replace(valid=valid_BM.at[:, 0].set(True)),
+          live_B & ~finite_BM[:, 0])
+
+
 def _is_eos(tokens, dcfg: DecodeConfig):
   return jnp.isin(tokens, jnp.asarray(dcfg.eos_ids or (-1,), jnp.int32))
 
@@ -299,7 +325,7 @@ def _score(params, state: DecodeState, prop: Proposal, live_B: jax.Array, *,
   When no live row drafted (no n-gram match, an unconfident head), it scores
   the newest token alone (``wide`` False): on a CPU a forward over K + 1
   tokens costs more than a one-token one."""
-  B, K = state.tokens.shape[0], dcfg.k
+  K = dcfg.k
   last_B = at_rows(state.tokens, state.num_tokens - 1)
   block_BT = jnp.concatenate([last_B[:, None], prop.tokens], axis=1)
   verify = functools.partial(_verify_forward, params, model_cfg, block_BT,
@@ -379,20 +405,11 @@ def _chain_step(params, state: DecodeState, model_cfg: ModelConfig,
   prop = _propose(drafter_params, state, dcfg, k_draft)
   out, wide = _score(params, state, prop, live_B, model_cfg=model_cfg,
                      dcfg=dcfg)
-  # Accepting j drafts reads positions 0..j: stop before the first
-  # non-finite one (the module doc).
-  finite_BT = _finite(out.logits)
-  T = finite_BT.shape[1]
-  first_bad_B = jnp.where(jnp.all(finite_BT, axis=1), T,
-                          jnp.argmin(finite_BT, axis=1))
-  nonfinite_B = live_B & (first_bad_B == 0)
+  logits, num_draft_B, nonfinite_B = _chain_cut(out.logits, prop.num_draft,
+                                                live_B)
   live_B &= ~nonfinite_B
-  res = verify_chain(prop.tokens, prop.probs,
-                     warp(_usable_logits(out.logits, finite_BT),
-                          dcfg.sampling),
-                     jnp.minimum(prop.num_draft,
-                                 jnp.maximum(first_bad_B - 1, 0)),
-                     k_verify, greedy=dcfg.sampling.greedy)
+  res = verify_chain(prop.tokens, prop.probs, warp(logits, dcfg.sampling),
+                     num_draft_B, k_verify, greedy=dcfg.sampling.greedy)
   tokens, n_B, hit_eos_B = _emit(state, res.tokens, res.num_emitted, live_B,
                                  dcfg)
   num_tokens = state.num_tokens + n_B
@@ -439,16 +456,9 @@ def _tree_step(params, state: DecodeState, model_cfg: ModelConfig,
       mask_BTT=anc_BMM)
   wide = jnp.any((tree.num_drafted > 0) & live_B)
   out = jax.lax.cond(wide, lambda: verify(dcfg.block), lambda: verify(1))
-  # A node whose logits are not finite cannot end the path and its subtree
-  # cannot be accepted: the subtree is cut (the module doc).
-  finite_BM = _finite(out.logits)
-  nonfinite_B = live_B & ~finite_BM[:, 0]
+  logits, tree, nonfinite_B = _tree_cut(out.logits, tree, anc_BMM, live_B)
   live_B &= ~nonfinite_B
-  tree = tree.replace(valid=(tree.valid & ~jnp.any(
-      anc_BMM & ~finite_BM[:, None, :], axis=-1)).at[:, 0].set(True))
-  res = trees.verify_tree(tree, anc_BMM,
-                          warp(_usable_logits(out.logits, finite_BM),
-                               dcfg.sampling),
+  res = trees.verify_tree(tree, anc_BMM, warp(logits, dcfg.sampling),
                           k_verify, dcfg.sampling, dcfg.k)
   tokens, n_B, hit_eos_B = _emit(state, res.tokens, res.num_emitted, live_B,
                                  dcfg)

@@ -43,6 +43,22 @@ def _spec(x) -> list:
   return [list(x.shape), list(x.sharding.shard_shape(x.shape))]
 
 
+def _as_specified(tree, specs, mesh) -> bool:
+  """Every non-empty array of ``tree`` is laid out as its
+  ``PartitionSpec`` in ``specs`` says (on its ``.sharding``, up to
+  equivalent forms)."""
+  from jax.sharding import NamedSharding
+  leaves = jax.tree.leaves(tree)
+  wanted = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(
+      x, jax.sharding.PartitionSpec))
+  assert len(leaves) == len(wanted), (len(leaves), len(wanted))
+  # An empty array (a chain's tree counters) holds nothing to lay out.
+  return all(x.size == 0
+             or x.sharding.is_equivalent_to(NamedSharding(mesh, p),
+                                            len(x.shape))
+             for x, p in zip(leaves, wanted))
+
+
 def main(full: bool) -> dict:
   params = llama.random_params(jax.random.key(0), CFG, scale=0.3)
   hcfg = HeadConfig.for_target(CFG, 64, taps=(0, 1, 3))
@@ -83,6 +99,11 @@ def main(full: bool) -> dict:
                                     (st.num_tokens - st.prompt_lengths).sum())))
         if name == "eagle3" and temp == 0.0:
           sp = sharding.shard_params(params, CFG, mesh)
+          out["every_leaf_as_specified"] = out.get(
+              "every_leaf_as_specified", True) and _as_specified(
+                  sp, sharding.param_specs(params, CFG, mesh), mesh) and (
+                      _as_specified(st, sharding.state_specs(st, CFG, mesh),
+                                    mesh))
           out["specs"][shape] = dict(
               wqkv=_spec(sp.layers[0].wqkv), wo=_spec(sp.layers[0].wo),
               w_gate_up=_spec(sp.layers[0].w_gate_up),

@@ -167,3 +167,79 @@ def test_damaged_head_files_are_named(tmp_path):
   for path in (truncated, foreign, bad_meta):
     with pytest.raises(ValueError, match=path.name):
       load_head(path, cfg)
+
+
+def test_prompt_at_the_context_limit(tiny):
+  """A prompt of ``max_position - max_new_tokens`` tokens (the longest the
+  CLI accepts: tests/test_cli.py refuses one more) decodes its whole
+  budget, AR and n-gram drafting K = 4 past the last position alike."""
+  from specjax import runner
+  from specjax.models.registry import Model
+  cfg, params = tiny
+  model = Model(config=cfg, params=params, tokenizer=None)
+  prompt = [[3, 4] * ((cfg.max_position - 4) // 2)]
+  assert len(prompt[0]) + 4 == cfg.max_position
+  outs = [runner.generate_ids(model, prompt, max_new_tokens=4, **kw).rows[0]
+          for kw in ({}, dict(drafter=NGramDrafter(), num_draft=4))]
+  assert outs[0].output_ids == outs[1].output_ids
+  assert [len(r.output_ids) for r in outs] == [4, 4]
+  assert [r.stop_reason for r in outs] == ["length", "length"]
+
+
+_ROLLBACK_B, _ROLLBACK_T, _ROLLBACK_S = 3, 4, 32
+
+
+@pytest.fixture(scope="module")
+def rollback_programs(tiny):
+  """Two jitted programs of fixed shapes: ``block`` (prefill ragged rows,
+  score a block of T tokens, keep ``keep[b]`` of them by lengths, feed one
+  more token) and ``fresh`` (the committed tokens from scratch, then the
+  same token)."""
+  from specjax.models import llama
+  cfg, params = tiny
+  B, T, S = _ROLLBACK_B, _ROLLBACK_T, _ROLLBACK_S
+
+  @jax.jit
+  def block(prompt_BP, lengths_B, block_BT, keep_B, next_B):
+    cache = llama.forward(params, cfg, prompt_BP,
+                          llama.init_cache(cfg, B, S)).cache
+    cache = cache.with_lengths(lengths_B)
+    out = llama.forward(params, cfg, block_BT, cache, write_cache=False)
+    cache = cache.write(out.new_kv, cache.new_slots(T)).with_lengths(
+        lengths_B + keep_B)
+    return llama.forward(params, cfg, next_B[:, None], cache).logits[:, 0]
+
+  @jax.jit
+  def fresh(seq_BX, lengths_B, next_B):
+    cache = llama.forward(params, cfg, seq_BX,
+                          llama.init_cache(cfg, B, S)).cache
+    return llama.forward(params, cfg, next_B[:, None],
+                         cache.with_lengths(lengths_B)).logits[:, 0]
+  return block, fresh
+
+
+@settings(max_examples=15, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**31 - 1))
+def test_rollback_equals_a_fresh_forward(rollback_programs, seed):
+  """Invariant over random ragged prompts (1-12 tokens), random blocks and
+  a random number of kept block entries per row (0 to all, 0 = the whole
+  block rejected): writing a scored block into the cache and rolling each
+  row back by its length leaves exactly the cache of the committed tokens
+  — the next token's logits equal a fresh forward's (1e-5)."""
+  block, fresh = rollback_programs
+  B, T = _ROLLBACK_B, _ROLLBACK_T
+  rng = np.random.default_rng(seed)
+  lengths = rng.integers(1, 13, B)
+  prompt = rng.integers(0, 41, (B, 16))
+  blk = rng.integers(0, 41, (B, T))
+  keep = rng.integers(0, T + 1, B)
+  nxt = rng.integers(0, 41, B)
+  seq = np.zeros((B, 16 + T), np.int64)
+  for b in range(B):
+    committed = list(prompt[b, :lengths[b]]) + list(blk[b, :keep[b]])
+    seq[b, :len(committed)] = committed
+  i32 = lambda a: jnp.asarray(a, jnp.int32)
+  got = block(i32(prompt), i32(lengths), i32(blk), i32(keep), i32(nxt))
+  want = fresh(i32(seq), i32(lengths + keep), i32(nxt))
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)

@@ -37,7 +37,10 @@ def _check_runs(out: dict, expected_runs: int):
 
 
 def test_sharded_decoding_equals_one_device_and_is_laid_out():
-  """Invariants on a data=2 x model=4 mesh, ragged batch of 8: (1) AR,
+  """Invariants on a data=2 x model=4 mesh, ragged batch of 8: (0) every
+  parameter and every decode-state array (cache, tokens, counters, the
+  EAGLE head's state, the key) carries the sharding ``sharding.param_specs``
+  / ``state_specs`` assign it; (1) AR,
   n-gram and EAGLE-3 at T = 0, and AR and EAGLE-3 at T = 1 (top-p 0.9) with
   the same key, emit exactly the single-device tokens (the random draws do
   not depend on the layout; see DESIGN.md "Scaling out"); (2) what each
@@ -51,6 +54,7 @@ def test_sharded_decoding_equals_one_device_and_is_laid_out():
   stays replicated and (2) fails)."""
   out = _worker()
   _check_runs(out, 5)
+  assert out["every_leaf_as_specified"]  # each parameter and state array
   sp = out["specs"]["data=2,model=4"]
   expect = {
       "wqkv": [[32, 128], [32, 32]], "wo": [[64, 32], [16, 32]],

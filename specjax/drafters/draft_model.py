@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-import jax
 import jax.numpy as jnp
 
 from specjax.drafters.base import Proposal
@@ -70,7 +69,6 @@ class DraftModelDrafter:
   def propose(self, params, cache, tokens_BS, num_tokens_B, key, num_draft,
               sampling) -> Proposal:
     params = self.draft_params(params)
-    B = tokens_BS.shape[0]
     start_B = jnp.maximum(num_tokens_B - 2, 0)
     pair_B2 = at_rows(tokens_BS, jnp.stack([start_B, num_tokens_B - 1], 1))
     out = llama.forward(params, self.config, pair_B2,

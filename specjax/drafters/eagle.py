@@ -212,7 +212,6 @@ class EagleDrafter:
                        f"vocabulary ({self.cfg.draft_vocab})")
     state, stable_B, a_BD = self._start(params, state, tokens_BS,
                                         num_tokens_B, num_draft)
-    B = tokens_BS.shape[0]
     root_B = at_rows(tokens_BS, num_tokens_B - 1)
     if self.tree_shape:
       tree, _ = self._expand_static(params, state, stable_B, a_BD, root_B,

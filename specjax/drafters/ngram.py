@@ -88,7 +88,6 @@ class NGramDrafter(Stateless):
     del params, key, sampling
     cont_BPK, avail_BP = self._continuations(tokens_BS, num_tokens_B,
                                              self.num_paths, num_draft)
-    B = tokens_BS.shape[0]
     root_B = at_rows(tokens_BS, num_tokens_B - 1)
     return TreeProposal(tree=trie(root_B, cont_BPK, avail_BP, num_nodes),
                         state=state)
