@@ -56,6 +56,10 @@ def main(argv=None):
                   help="the target's matmuls on XLA's dot, for AR and every "
                   "method alike (default: the native small-row kernel where "
                   "load_model uses it: CPU, f32, built)")
+  ap.add_argument("--mesh", default=None, metavar="data=D,model=M",
+                  help="decode over a device mesh (sharding.make_mesh; "
+                  "XLA's dot)")
+  ap.add_argument("--batch-size", type=int, default=1)
   args = ap.parse_args(argv)
   for path in (args.json, args.journal):  # fail now, not after an hour
     if path:
@@ -67,7 +71,10 @@ def main(argv=None):
   from specjax.models.registry import load_model
   from specjax.sampling import SamplingParams
   specs = [parse_spec(s) for s in args.specs]
-  model = load_model("smollm2-135m", native=False if args.xla else None)
+  from specjax.sharding import make_mesh
+  mesh = make_mesh(args.mesh) if args.mesh else None
+  model = load_model("smollm2-135m",
+                     native=False if args.xla or mesh else None, mesh=mesh)
   prompts = data.load_prompts(args.dataset, args.num_prompts)
   chat = args.dataset != "humaneval"
   ids = [model.tokenizer.encode_chat(p) if chat else model.tokenizer.encode(p)
@@ -75,7 +82,7 @@ def main(argv=None):
   built = [(s, *methods.build(model, s)) for s in specs]
 
   provenance = {"matmul": "native" if is_packed(model.params) else "xla",
-                "machine": machine()}
+                "machine": machine(), "mesh": args.mesh or "none"}
 
   def emit(result):
     line = json.dumps(dict(result, **provenance))
@@ -86,7 +93,8 @@ def main(argv=None):
 
   bench.run(model, built, ids, max_new_tokens=args.max_new_tokens,
             sampling=SamplingParams(temperature=args.temperature),
-            dataset=args.dataset, on_result=emit, journal=args.journal)
+            batch_size=args.batch_size, dataset=args.dataset,
+            on_result=emit, journal=args.journal)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,9 @@ Every array has *logical* axes (``batch``, ``kv_heads``, ``ffn``, ``vocab``
 or None), mapped to mesh axes by ``RULES``. A logical axis is split only when
 its size divides evenly by the mesh axis (SmolLM2's 3 kv heads do not split
 over 2 devices): otherwise that array is replicated along that mesh axis,
-which is always correct and only costs memory. ``specs`` says what was
-chosen; the tests assert it on each array's ``.sharding``.
+which is always correct and only costs memory. ``param_specs`` and
+``state_specs`` say what was chosen; the tests assert it on each array's
+``.sharding``.
 
 Several processes (hosts): ``initialize_distributed`` joins them before any
 device is touched; the mesh then spans every process's devices, each process

@@ -191,6 +191,7 @@ def test_generate_json_contract(tmp_path):
 
 
 
+@pytest.mark.long
 def test_stream_prints_what_generate_prints(capsys, tmp_path):
   """Invariant: ``--stream`` (the default on a terminal) prints, prompt by
   prompt as the steps commit tokens, exactly the text ``--no-stream``

@@ -36,6 +36,7 @@ def _check_runs(out: dict, expected_runs: int):
   assert not differ, differ
 
 
+@pytest.mark.long
 def test_sharded_decoding_equals_one_device_and_is_laid_out():
   """Invariants on a data=2 x model=4 mesh, ragged batch of 8: (0) every
   parameter and every decode-state array (cache, tokens, counters, the

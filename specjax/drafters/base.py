@@ -39,7 +39,9 @@ class Drafter(Protocol):
 
   A drafter is a frozen, hashable dataclass: a static argument of the jitted
   engine. Its parameters travel as ``params``, its mutable state as
-  ``state`` (``DecodeState.drafter_state``). K, the drafts per step, lives in
+  ``state`` (``DecodeState.drafter_state``), a pytree whose every leaf leads
+  with the batch axis B (on a mesh it is split over rows like the target's
+  cache: ``specjax.sharding``). K, the drafts per step, lives in
   ``DecodeConfig.num_draft`` alone and is passed to ``init`` (to size the
   state) and to ``propose``.
 
