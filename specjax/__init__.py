@@ -4,9 +4,9 @@ Axis vocabulary, used in names (``logits_BTV``) and einsum strings everywhere:
 
   B batch · T new tokens this step · S cache capacity (slots) · L layers ·
   D model width · N query heads · G kv heads · R = N/G heads per kv head ·
-  H head dim · F MLP width · V vocab · Vd draft vocab · K draft length (a
-  tree's depth) · M tree nodes · C tree candidates · W tree width · P
-  positions picked for logits.
+  J = R + 2 fused q/k/v heads per kv head · H head dim · F MLP width ·
+  V vocab · Vd draft vocab · K draft length (a tree's depth) · M tree
+  nodes · C tree candidates · W tree width · P positions picked for logits.
 
 Public API (everything else is an implementation detail):
 """

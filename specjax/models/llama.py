@@ -412,7 +412,7 @@ def forward(params: LlamaParams, cfg: ModelConfig, tokens_BT: jax.Array,
     qkv = linear(h, lp.wqkv)
     if lp.bqkv is not None:
       qkv = qkv + lp.bqkv[None, None, :]
-    qkv_BTGJH = qkv.reshape(B, T, G, R + 2, H)  # fuse_qkv's order
+    qkv_BTGJH = qkv.reshape(B, T, G, R + 2, H)  # fuse_qkv's order, J = R + 2
     qk = apply_rope(qkv_BTGJH[:, :, :, :R + 1], cos_BTH, sin_BTH)
     q, k = qk[:, :, :, :R].reshape(B, T, N, H), qk[:, :, :, R]
     v = qkv_BTGJH[:, :, :, R + 1]
