@@ -165,11 +165,8 @@ def _named(specs, mesh):
                       is_leaf=lambda s: isinstance(s, P))
 
 
-def constrain(tree, specs, mesh: Optional[Mesh]):
-  """``tree`` laid out as ``specs`` (inside jit: a sharding constraint);
-  unchanged without a mesh."""
-  if mesh is None:
-    return tree
+def constrain(tree, specs, mesh: Mesh):
+  """``tree`` laid out as ``specs`` (inside jit: a sharding constraint)."""
   return jax.lax.with_sharding_constraint(tree, _named(specs, mesh))
 
 

@@ -105,8 +105,7 @@ def _dist(kind: str, rng, V: int) -> np.ndarray:
     return np.eye(V)[rng.integers(V)]
   if kind == "uniform":
     return np.full(V, 1.0 / V)
-  p = rng.dirichlet(np.full(V, 0.3))
-  return p
+  return rng.dirichlet(np.full(V, 0.3))
 
 
 # Jitted: a few shapes, each compiled once (eager ops would compile per op).

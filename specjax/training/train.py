@@ -435,21 +435,22 @@ def train(cfg: TrainConfig, workdir: str, *, model=None,
     batch = get_batch(idx, ex)
     if mesh is not None:  # rows over the data axis
       batch = sharding.shard_batch(batch, mesh)
-    new, *out = step_fn(state, batch, s.model.params.embed,
-                        np.int32(cfg.steps))
-    loss, m, gnorm = sharding.to_host(out)
-    if not np.isfinite(float(loss)):
+    new, loss, m, gnorm = step_fn(state, batch, s.model.params.embed,
+                                  np.int32(cfg.steps))
+    loss = float(sharding.to_host(loss))  # the one sync a step needs
+    if not np.isfinite(loss):
       end, stopped = step, f"non-finite loss at step {step + 1}"
       print(f"specjax: warning: {stopped}; the head of step {step} is kept",
             file=sys.stderr)
       break
-    state, losses[step] = new, float(loss)
+    state, losses[step] = new, loss
     tokens_seen += int(ex.lengths.sum())
     timed_out = (deadline is not None and time.time() >= deadline
                  and step + 1 < end)
     if timed_out:
       end = step + 1
     if (step + 1) % cfg.log_every == 0 or step + 1 == end:
+      m, gnorm = sharding.to_host((m, gnorm))
       acc = [round(float(a), 4) for a in m["acc"]]
       elapsed = time.perf_counter() - t0
       rec = dict(step=step + 1, loss=round(losses[step], 5), acc=acc,
