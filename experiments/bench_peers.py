@@ -105,9 +105,12 @@ def llama_cpp_engine(path: pathlib.Path, max_new: int, lookup: int,
   threads = os.cpu_count()
 
   def call_for(draft_model=None):
+    # With a draft model, Llama keeps every position's logits but sizes that
+    # buffer by ``logits_all`` (n_batch rows without it): a prompt past 512
+    # tokens would overflow it (llama-cpp-python 0.3.36).
     llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_threads=threads,
                           n_threads_batch=threads, draft_model=draft_model,
-                          verbose=False)
+                          logits_all=draft_model is not None, verbose=False)
 
     def call(ids):
       llm.reset()  # no KV reuse from the previous call's common prefix
