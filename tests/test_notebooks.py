@@ -10,9 +10,12 @@ NOTEBOOKS = sorted((pathlib.Path(__file__).parents[1] / "notebooks").glob("*.ipy
 
 @pytest.mark.long
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_executes(path):
+def test_notebook_executes(path, tmp_path, monkeypatch):
   """Invariant: every code cell runs without error in order, outputs are
-  stripped in git, and IPython-only lines are confined to the install cell."""
+  stripped in git, and IPython-only lines are confined to the install cell.
+  Runs in an empty directory, so files a notebook writes (a training run's
+  workdir) start fresh and stay out of the checkout."""
+  monkeypatch.chdir(tmp_path)
   nb = json.loads(path.read_text())
   scope = {}
   for cell in nb["cells"]:
