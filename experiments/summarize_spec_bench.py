@@ -7,10 +7,12 @@ Prints one table row per (method, temperature) and, with --priors, writes what
 the tuner uses: the share of steps that drafted (the rest ran a one-token
 forward and emitted one token) and the per-draft acceptance α whose geometric
 model (1 - α^(K+1)) / (1 - α) reproduces the τ of the steps that drafted at
-the measured K (fixed-K rows only: a dynamic-K row's τ is not that of its K;
-later files win on the same method, task and temperature), and for each
-drafter with a per-token cost (a trained head), a drafted token's cost in
-one-token target forwards (median over its rows).
+the measured K (fixed-K chains only: neither a dynamic-K row's τ nor a
+tree's is that of a chain of its K; later files win on the same method, task
+and temperature), and for each drafter with a per-token cost (a trained
+head), a drafted token's cost in one-token target forwards (median over its
+rows in the last file that has any: costs fall as the code gets faster,
+unlike acceptance).
 """
 
 from __future__ import annotations
@@ -54,8 +56,8 @@ def main(argv=None) -> int:
   ap.add_argument("jsonl", nargs="+")
   ap.add_argument("--priors", help="write tuner priors JSON here")
   args = ap.parse_args(argv)
-  rows = [json.loads(l) for path in args.jsonl for l in open(path)
-          if l.strip()]
+  rows = [dict(json.loads(l), file=path) for path in args.jsonl
+          for l in open(path) if l.strip()]
   print("| method | data | T | prompts | K | τ | acceptance per position | "
         "tok/s (AR) | speedup | predicted | measured/predicted | greedy = AR | "
         "wide verifies | time split draft/verify/rest |")
@@ -77,7 +79,8 @@ def main(argv=None) -> int:
           f"{'—' if wide is None else f'{wide:.2f}'} | "
           f"{ts['draft_s']:.2f}/{ts['verify_s']:.2f}/{ts['rest_s']:.2f} |")
   if args.priors:
-    fixed = [r for r in rows if not (r.get("config") or {}).get("min_confidence")]
+    fixed = [r for r in rows if not (r.get("config") or {}).get("min_confidence")
+             and not r.get("tree_nodes")]  # trees: tree_rank_acceptance.py
     priors = {}
     for r in fixed:
       task = TASK_OF.get(r["dataset"], "chat")
@@ -88,12 +91,16 @@ def main(argv=None) -> int:
           k=r["num_draft"], tau=r["tau"], draft_rate=w,
           alpha=alpha_from_tau(1 + (r["tau"] - 1) / w, r["num_draft"]),
           git_sha=r["git_sha"])
-    per_token = {}
+    per_token = {}  # method -> the newest file's rows (code gets faster)
     for r in fixed:
       if r["method"] != "layerskip":  # the tuner models it from its layers
         c = r["costs_ms"]
-        per_token.setdefault(r["method"], []).append(
-            c["draft"] / (r["num_draft"] * c["target_forward_1"]))
+        cost = c["draft"] / (r["num_draft"] * c["target_forward_1"])
+        newest = per_token.setdefault(r["method"], [r["file"], []])
+        if newest[0] != r["file"]:
+          newest[:] = [r["file"], []]
+        newest[1].append(cost)
+    per_token = {m: v for m, (_, v) in per_token.items()}
     costs = {m: round(statistics.median(v), 4) for m, v in per_token.items()}
     path = pathlib.Path(args.priors)
     kept = {}  # what other scripts wrote (tree_rank_acceptance.py's table)
