@@ -179,9 +179,11 @@ def build_engines(args, model, path) -> list[tuple[str, dict, dict]]:
   return engines
 
 
-def decode_all(engines, prompts, journal, key) -> dict:
+def decode_all(engines, prompts, journal, key, partial: bool = False) -> dict:
   """``{(engine, method): [(ids, seconds) per prompt]}``, prompt by prompt,
-  every engine's every method back to back; a journal's prompts are read back."""
+  every engine's every method back to back; a journal's prompts are read back.
+  ``partial``: only the journal's leading run of finished prompts, nothing
+  decoded."""
   from tqdm import tqdm
   done = {}
   if journal and journal.exists():
@@ -192,6 +194,8 @@ def decode_all(engines, prompts, journal, key) -> dict:
   runs = {(e, m): [] for e, _, calls in engines for m in calls}
   for i, ids in enumerate(tqdm(prompts, desc="peers", unit="prompt")):
     got = done.get(i)
+    if got is None and partial:
+      break
     if got is None:
       got = {f"{e}/{m}": call(ids) for e, _, calls in engines
              for m, call in calls.items()}
@@ -252,7 +256,12 @@ def main(argv=None):
   ap.add_argument("--json", default=None)
   ap.add_argument("--journal", default=None,
                   help="finished prompts go here; a rerun resumes after them")
+  ap.add_argument("--partial", action="store_true",
+                  help="with --journal: report the prompts it holds (from "
+                  "the first on, in order) and decode nothing")
   args = ap.parse_args(argv)
+  if args.partial and not args.journal:
+    ap.error("--partial reads a --journal")
   unknown = set(args.peers) - set(PEERS)
   if unknown:
     ap.error(f"unknown peer {sorted(unknown)[0]!r} (one of {', '.join(PEERS)})")
@@ -278,7 +287,12 @@ def main(argv=None):
       [settings, prompts, [(e, list(c)) for e, _, c in engines]]).encode()
   ).hexdigest()[:16]
   runs = decode_all(engines, prompts,
-                    pathlib.Path(args.journal) if args.journal else None, key)
+                    pathlib.Path(args.journal) if args.journal else None, key,
+                    partial=args.partial)
+  settings["num_prompts"] = len(runs[("specjax", "ar")])
+  if not settings["num_prompts"]:
+    raise SystemExit("bench_peers: error: the journal holds no finished "
+                     "prompt of this benchmark")
   common = dict(settings, git_sha=bench.git_sha(), machine=machine())
   rows = summarize(engines, runs, common)
   for row in rows:

@@ -7,10 +7,14 @@
 
 Prints a markdown table (one line per row: method and knobs, head, dataset,
 T, τ, tokens/s against the same run's AR, speedup, predicted speedup, greedy
-= AR, git sha, file) sorted by dataset then speedup, and writes two PNGs:
+= AR, git sha, file) sorted by dataset then speedup, and writes three PNGs:
 ``speedup.png`` (each row's speedup over its own run's AR, grouped by
-dataset) and ``acceptance.png`` (acceptance per draft position, one line per
-row). Ratios only compare within a run: every row's AR ran beside it.
+dataset), ``acceptance.png`` (acceptance per draft position, one line per
+row) and ``predicted.png`` (measured against predicted speedup). Ratios only
+compare within a run: every row's AR ran beside it.
+
+``--peers FILE ...`` (``bench_peers.py`` rows) adds a table of every engine's
+AR and speculative tokens/s per dataset and ``peers.png``.
 """
 
 from __future__ import annotations
@@ -63,18 +67,37 @@ def table(rows) -> str:
   return "\n".join(lines)
 
 
-def plots(rows, out: pathlib.Path) -> list[pathlib.Path]:
+def _pyplot():
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  return plt
+
+
+def _panels(groups: dict, height: float, width: float = 6.0):
+  """A figure with one panel per group, and ``[(ax, name, rows)]`` in
+  name order."""
+  fig, axes = _pyplot().subplots(1, len(groups), squeeze=False,
+                                 figsize=(width * len(groups), height))
+  return fig, [(ax, name, rs) for ax, (name, rs)
+               in zip(axes[0], sorted(groups.items()))]
+
+
+def _save(fig, out: pathlib.Path, name: str) -> pathlib.Path:
   out.mkdir(parents=True, exist_ok=True)
+  fig.tight_layout()
+  fig.savefig(out / name, dpi=90)
+  _pyplot().close(fig)
+  return out / name
+
+
+def plots(rows, out: pathlib.Path) -> list[pathlib.Path]:
   groups = {}
   for r in rows:
     groups.setdefault(f"{r['dataset']} {r['num_prompts']}, T = "
                       f"{r['temperature']:g}", []).append(r)
-  fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4.5),
-                           squeeze=False)
-  for ax, (name, rs) in zip(axes[0], sorted(groups.items())):
+  fig, panels = _panels(groups, 4.5)
+  for ax, name, rs in panels:
     rs = sorted(rs, key=lambda r: r["speedup"])
     bars = ax.barh([label(r) for r in rs], [r["speedup"] for r in rs],
                    color=["tab:green" if r["speedup"] >= 1 else "tab:grey"
@@ -84,14 +107,10 @@ def plots(rows, out: pathlib.Path) -> list[pathlib.Path]:
     ax.set_title(name)
     ax.set_xlabel("speedup over AR (same run)")
     ax.tick_params(axis="y", labelsize=8)
-  fig.tight_layout()
-  speed = out / "speedup.png"
-  fig.savefig(speed, dpi=90)
-  plt.close(fig)
+  written = [_save(fig, out, "speedup.png")]
 
-  fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4),
-                           squeeze=False)
-  for ax, (name, rs) in zip(axes[0], sorted(groups.items())):
+  fig, panels = _panels(groups, 4.0)
+  for ax, name, rs in panels:
     for r in rs:
       acc = r["acceptance_per_position"]
       ax.plot(range(1, len(acc) + 1), acc, marker="o", label=label(r))
@@ -99,23 +118,73 @@ def plots(rows, out: pathlib.Path) -> list[pathlib.Path]:
     ax.set_xlabel("draft position (tree depth)")
     ax.set_ylabel("accepted per verify")
     ax.legend(fontsize=7)
-  fig.tight_layout()
-  acc_png = out / "acceptance.png"
-  fig.savefig(acc_png, dpi=90)
-  plt.close(fig)
-  return [speed, acc_png]
+  written.append(_save(fig, out, "acceptance.png"))
+
+  fig, ax = _pyplot().subplots(figsize=(5.5, 5))
+  for i, (name, rs) in enumerate(sorted(groups.items())):
+    ax.scatter([r["predicted_speedup"] for r in rs], [r["speedup"] for r in rs],
+               label=name, color=f"C{i}")
+  lo = min(min(r["speedup"], r["predicted_speedup"]) for r in rows) - 0.05
+  hi = max(max(r["speedup"], r["predicted_speedup"]) for r in rows) + 0.05
+  ax.plot([lo, hi], [lo, hi], color="black", lw=1, label="measured = predicted")
+  ax.set_xlabel("predicted speedup (τ and the timed draft and verify)")
+  ax.set_ylabel("measured speedup (same run)")
+  ax.legend(fontsize=8)
+  return written + [_save(fig, out, "predicted.png")]
+
+
+def peers_table(rows) -> str:
+  lines = ["| dataset | engine | weights | method | tok/s | over its own AR "
+           "| = its own greedy | specjax best ÷ this | version |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    same = "yes" if r["equals_own_greedy"] else (
+        f"**no** ({r['rows_differing_from_own_greedy']} of "
+        f"{r['num_prompts']} differ)")
+    lines.append(
+        f"| {r['dataset']} {r['num_prompts']} | {r['engine']} | {r['weights']} "
+        f"| {r['method']} | {r['tokens_per_s']:.1f} "
+        f"| {r['speedup_over_own_ar']:.2f}× | {same} "
+        f"| {r['specjax_best_over_this']:.2f} | {r['version']} |")
+  return "\n".join(lines)
+
+
+def peers_plot(rows, out: pathlib.Path) -> pathlib.Path:
+  """tokens/s of every engine and method, one panel per dataset."""
+  groups = {}
+  for r in rows:
+    groups.setdefault(f"{r['dataset']} {r['num_prompts']}, T = 0", []).append(r)
+  fig, panels = _panels(groups, 4.5, width=6.5)
+  for ax, name, rs in panels:
+    colors = [("tab:blue" if r["engine"] == "specjax" else "tab:orange")
+              if r["method"] != "ar" else "tab:grey" for r in rs]
+    bars = ax.barh([f"{r['engine']}: {r['method']}" for r in rs][::-1],
+                   [r["tokens_per_s"] for r in rs][::-1], color=colors[::-1])
+    ax.bar_label(bars, fmt="%.0f", fontsize=8)
+    ax.set_title(name)
+    ax.set_xlabel("tokens/s, batch 1, same run (grey: AR)")
+    ax.tick_params(axis="y", labelsize=8)
+  return _save(fig, out, "peers.png")
 
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("files", nargs="+")
+  ap.add_argument("--peers", nargs="*", default=[],
+                  help="bench_peers.py result files")
   ap.add_argument("--png-dir", default=None)
   args = ap.parse_args(argv)
   rows = load(args.files)
   print(table(rows))
+  peers = load(args.peers)
+  if peers:
+    print()
+    print(peers_table(peers))
   if args.png_dir:
     for p in plots(rows, pathlib.Path(args.png_dir)):
       print(p)
+    if peers:
+      print(peers_plot(peers, pathlib.Path(args.png_dir)))
 
 
 if __name__ == "__main__":

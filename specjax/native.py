@@ -3,8 +3,8 @@ a matmul for a few rows and attention over the cache slots in use.
 
 Decode and verify forwards multiply M = batch x tokens <= 64 rows by weights
 far larger than any cache; XLA CPU's dot runs that shape well below the
-weight-read limit (docs/DESIGN.md, "Why verification costs ~2 forwards on
-this CPU"). ``small_matmul`` calls ``specjax/kernels/small_gemm.cc`` through
+weight-read limit (docs/DESIGN.md, "Why verification costs ~2 forwards
+with XLA's ops on a CPU"). ``small_matmul`` calls ``specjax/kernels/small_gemm.cc`` through
 ``jax.ffi``: part of the compiled program, not a host callback, so it stays
 inside ``jit`` and ``lax.while_loop``. The weight must be ``pack``-ed once
 into 16-column panels (``[ceil(N / 16), K, 16]``), which the kernel reads

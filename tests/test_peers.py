@@ -105,3 +105,33 @@ def test_peers_bench_on_small_model(small_gguf, prompt_file, tmp_path):
   assert by[("transformers", "ar")]["rows_equal_to_specjax_greedy"] == len(PROMPTS)
   again = bench_peers.main(argv)
   assert [r["tokens_per_s"] for r in again] == [r["tokens_per_s"] for r in rows]
+  # An interrupted run's first prompt alone, reported without decoding.
+  journal.write_text(journal.read_text().splitlines()[0] + "\n")
+  first = bench_peers.main(argv + ["--partial"])
+  assert {r["num_prompts"] for r in first} == {1}
+  assert all(r["new_tokens"] <= 24 for r in first)
+
+
+def test_summary_ratios_and_exactness_flags():
+  """Invariant: tokens/s are total new tokens over total seconds per
+  (engine, method); speedups are against the same engine's AR; a prompt
+  whose speculative output differs from the engine's own greedy output is
+  counted; ``specjax_best_over_this`` uses the fastest specjax row."""
+  a, b = [1, 2, 3, 4], [5, 6]
+  runs = {("specjax", "ar"): [(a, 2.0), (b, 1.0)],          # 6 tokens / 3 s
+          ("specjax", "ngram:k=5"): [(a, 1.0), (b, 0.5)],   # 6 / 1.5
+          ("peer", "ar"): [(a, 4.0), (b, 2.0)],             # 6 / 6
+          ("peer", "lookup"): [(a, 2.0), ([5, 7], 1.0)]}    # 6 / 3, one differs
+  engines = [("specjax", {}, {"ar": None, "ngram:k=5": None}),
+             ("peer", {}, {"ar": None, "lookup": None})]
+  rows = {(r["engine"], r["method"]): r
+          for r in bench_peers.summarize(engines, runs, dict(num_prompts=2))}
+  assert rows[("specjax", "ngram:k=5")]["tokens_per_s"] == 4.0
+  assert rows[("specjax", "ngram:k=5")]["speedup_over_own_ar"] == 2.0
+  assert rows[("peer", "lookup")]["speedup_over_own_ar"] == 2.0
+  assert not rows[("peer", "lookup")]["equals_own_greedy"]
+  assert rows[("peer", "lookup")]["rows_differing_from_own_greedy"] == 1
+  assert rows[("peer", "ar")]["rows_equal_to_specjax_greedy"] == 2
+  assert rows[("peer", "ar")]["specjax_best"] == "ngram:k=5"
+  assert rows[("peer", "ar")]["specjax_best_over_this"] == 4.0
+  assert rows[("specjax", "ngram:k=5")]["specjax_best_over_this"] == 1.0
