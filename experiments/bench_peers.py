@@ -149,6 +149,16 @@ def dequantized_copy(path: pathlib.Path, cache_dir: pathlib.Path) -> pathlib.Pat
   return out
 
 
+def stored_type(path: pathlib.Path) -> str:
+  """The type most of a GGUF file's matrices are stored in (e.g. Q4_1)."""
+  import collections
+  import gguf
+  kinds = collections.Counter(t.tensor_type.name
+                              for t in gguf.GGUFReader(path).tensors
+                              if len(t.shape) > 1)
+  return kinds.most_common(1)[0][0]
+
+
 def build_engines(args, model, path) -> list[tuple[str, dict, dict]]:
   """``[(engine name, provenance, {method: call})]``; peers not installed are
   skipped with one line each on stderr."""
@@ -167,7 +177,7 @@ def build_engines(args, model, path) -> list[tuple[str, dict, dict]]:
           weights="f32"), transformers_engine(
               path, args.max_new_tokens, args.lookup, eos, pad)))
       continue
-    files = [(path, "gguf as stored")]
+    files = [(path, f"{stored_type(path)} (as stored)")]
     if args.llama_f32:
       files.append((dequantized_copy(path, pathlib.Path(args.cache_dir)), "f32"))
     for file, weights in files:

@@ -103,6 +103,8 @@ def test_peers_bench_on_small_model(small_gguf, prompt_file, tmp_path):
     assert 0 < r["new_tokens"] <= 24 * len(PROMPTS)
     assert r["equals_own_greedy"], r
   assert by[("transformers", "ar")]["rows_equal_to_specjax_greedy"] == len(PROMPTS)
+  if bench_peers.installed("llama_cpp"):
+    assert by[("llama.cpp", "ar")]["weights"] == "Q4_1 (as stored)"
   again = bench_peers.main(argv)
   assert [r["tokens_per_s"] for r in again] == [r["tokens_per_s"] for r in rows]
   # An interrupted run's first prompt alone, reported without decoding.
