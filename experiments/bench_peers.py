@@ -56,23 +56,22 @@ def version(dist: str) -> str:
 
 
 def specjax_engine(model, specs, max_new: int) -> dict[str, Call]:
+  """AR and each bench_methods spec, by its text."""
   from specjax import methods, runner
   from experiments.bench_methods import parse_spec
 
-  def call_for(built=None):
-    spec, drafter, dparams = built or (None, None, None)
-    kw = (dict(drafter=drafter, num_draft=spec.k, tree_nodes=spec.tree_nodes,
-               drafter_params=dparams) if spec else {})
+  def call_for(text):
+    spec = parse_spec(text)
+    drafter, dparams = methods.build(model, spec)
 
     def call(ids):
-      res = runner.generate_ids(model, [ids], max_new_tokens=max_new, **kw)
+      res = runner.generate_ids(model, [ids], max_new_tokens=max_new,
+                                drafter=drafter, num_draft=spec.k,
+                                tree_nodes=spec.tree_nodes,
+                                drafter_params=dparams)
       return res.rows[0].output_ids, res.wall_s
     return call
-  calls = {"ar": call_for()}
-  for text in specs:
-    spec = parse_spec(text)
-    calls[text] = call_for((spec, *methods.build(model, spec)))
-  return calls
+  return {text: call_for(text) for text in ("ar", *specs)}
 
 
 def transformers_engine(path: pathlib.Path, max_new: int, lookup: int,

@@ -91,17 +91,15 @@ def main(argv=None) -> int:
           k=r["num_draft"], tau=r["tau"], draft_rate=w,
           alpha=alpha_from_tau(1 + (r["tau"] - 1) / w, r["num_draft"]),
           git_sha=r["git_sha"])
-    per_token = {}  # method -> the newest file's rows (code gets faster)
+    per_token = {}  # method -> file -> costs, files in the order given
     for r in fixed:
       if r["method"] != "layerskip":  # the tuner models it from its layers
         c = r["costs_ms"]
-        cost = c["draft"] / (r["num_draft"] * c["target_forward_1"])
-        newest = per_token.setdefault(r["method"], [r["file"], []])
-        if newest[0] != r["file"]:
-          newest[:] = [r["file"], []]
-        newest[1].append(cost)
-    per_token = {m: v for m, (_, v) in per_token.items()}
-    costs = {m: round(statistics.median(v), 4) for m, v in per_token.items()}
+        per_token.setdefault(r["method"], {}).setdefault(r["file"], []).append(
+            c["draft"] / (r["num_draft"] * c["target_forward_1"]))
+    # The newest file's rows: costs fall as the code gets faster.
+    costs = {m: round(statistics.median(list(by_file.values())[-1]), 4)
+             for m, by_file in per_token.items()}
     path = pathlib.Path(args.priors)
     kept = {}  # what other scripts wrote (tree_rank_acceptance.py's table)
     if path.is_file():

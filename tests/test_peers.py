@@ -1,6 +1,7 @@
 """experiments/bench_peers.py on a two-layer cut of SmolLM2's GGUF (real
 tokenizer and embeddings, so every engine loads it as it loads the full file)."""
 
+import argparse
 import json
 
 import gguf
@@ -56,9 +57,9 @@ def test_missing_peers_are_skipped_with_one_line(small_gguf, prompt_file,
   it and how to install it; the specjax engine is still built."""
   from specjax.models.registry import load_model
   monkeypatch.setattr(bench_peers, "installed", lambda module: False)
-  ns = type("Args", (), dict(peers=["transformers", "llama_cpp"],
-                             specjax=["ngram:k=3"], max_new_tokens=4,
-                             lookup=3, llama_f32=False))
+  ns = argparse.Namespace(peers=["transformers", "llama_cpp"],
+                          specjax=["ngram:k=3"], max_new_tokens=4, lookup=3,
+                          llama_f32=False)
   engines = bench_peers.build_engines(ns, load_model(str(small_gguf)), small_gguf)
   assert [e for e, _, _ in engines] == ["specjax"]
   assert list(engines[0][2]) == ["ar", "ngram:k=3"]
