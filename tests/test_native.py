@@ -115,6 +115,8 @@ def test_vmap_over_the_custom_call():
 
 @pytest.mark.parametrize("B,T,N,G,H,S,lengths", [
     (1, 1, 9, 3, 64, 512, [256]),  # SmolLM2 decode
+    (1, 16, 9, 3, 64, 512, [250]),  # SmolLM2 verify of 16
+    (2, 17, 4, 2, 16, 64, [30, 5]),  # new tokens over two blocks of 16
     (3, 5, 4, 2, 8, 40, [0, 7, 35]),  # ragged, an empty row
     (2, 8, 6, 3, 16, 20, [12, 3]),  # the last row's new tokens fill it
     (2, 4, 4, 4, 8, 16, [14, 2]),  # new tokens past the capacity

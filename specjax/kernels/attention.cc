@@ -87,20 +87,34 @@ __attribute__((always_inline)) inline void scores_plain(
 }
 
 // Masked slots to -inf, then each row's softmax in place over [0, used).
+// The max and the sum run as 8 partial results, which GCC vectorizes (one
+// running value it may not reorder without -ffast-math: at 16 new tokens
+// the scalar reductions cost more than the products).
 __attribute__((always_inline)) inline void softmax_rows(
     float* scores, int64_t ld, int64_t Q, int64_t R, int64_t used,
     int64_t prefix, const bool* mask, int64_t t0, int64_t T) {
+  constexpr int64_t kParts = 8;
+  const int64_t whole = used / kParts * kParts;
   for (int64_t i = 0; i < Q; ++i) {
     float* srow = scores + i * ld;
     const bool* visible = mask + (t0 + i / R) * T;  // mask[t, :]
     for (int64_t s = prefix; s < used; ++s)
       if (!visible[s - prefix]) srow[s] = kMasked;
-    float top = kMasked;
-    for (int64_t s = 0; s < used; ++s) top = std::max(top, srow[s]);
+    float tops[kParts], sums[kParts];
+    std::fill(tops, tops + kParts, kMasked);
+    for (int64_t s = 0; s < whole; s += kParts)
+      for (int64_t j = 0; j < kParts; ++j)
+        tops[j] = std::max(tops[j], srow[s + j]);
+    float top = *std::max_element(tops, tops + kParts);
+    for (int64_t s = whole; s < used; ++s) top = std::max(top, srow[s]);
     for (int64_t s = 0; s < used; ++s)
       srow[s] = exp_nonpositive(srow[s] - top);
+    std::fill(sums, sums + kParts, 0.0f);
+    for (int64_t s = 0; s < whole; s += kParts)
+      for (int64_t j = 0; j < kParts; ++j) sums[j] += srow[s + j];
     float sum = 0.0f;
-    for (int64_t s = 0; s < used; ++s) sum += srow[s];
+    for (int64_t j = 0; j < kParts; ++j) sum += sums[j];
+    for (int64_t s = whole; s < used; ++s) sum += srow[s];
     const float inv = 1.0f / sum;
     for (int64_t s = 0; s < used; ++s) srow[s] *= inv;
   }
@@ -170,11 +184,18 @@ __attribute__((always_inline)) inline void scale_queries(const Task& t,
           t.q[(i / t.R) * t.stride + (i % t.R) * t.H + h] * scale;
 }
 
-// The row stride of a task's scores: `used` rounded up to 16 slots.
-int64_t score_stride(int64_t used) { return (used + 15) / 16 * 16; }
+// Slots rounded up to whole blocks of 16.
+int64_t blocks16(int64_t n) { return (n + 15) / 16 * 16; }
+
+// The row stride of a task's scores: room for the prefix's blocks of 16
+// slots and, after the prefix, the new tokens' (attend_avx2 writes whole
+// blocks).
+int64_t score_stride(int64_t prefix, int64_t T) {
+  return blocks16(prefix) + blocks16(T);
+}
 
 void attend_generic(const Task& t, float* qs, float* scores) {
-  const int64_t Q = (t.t1 - t.t0) * t.R, ld = score_stride(t.used);
+  const int64_t Q = (t.t1 - t.t0) * t.R, ld = score_stride(t.prefix, t.T);
   scale_queries(t, qs);
   scores_plain(qs, Q, t.k, t.H, t.S, 0, t.prefix, scores, ld);
   scores_new(t, qs, Q, scores, ld);
@@ -262,8 +283,9 @@ constexpr ValuesFn kValues[4][5] = {
 // Needs H a multiple of 8 (attend chooses).
 __attribute__((target("avx2,fma"))) void attend_avx2(const Task& t,
                                                      float* qs,
-                                                     float* scores) {
-  const int64_t Q = (t.t1 - t.t0) * t.R, ld = score_stride(t.used);
+                                                     float* scores,
+                                                     float* kt) {
+  const int64_t Q = (t.t1 - t.t0) * t.R, ld = score_stride(t.prefix, t.T);
   scale_queries(t, qs);
   // The prefix's slots in blocks of 16 (a last block may spill past the
   // prefix inside the buffer: those scores are overwritten just below).
@@ -274,7 +296,17 @@ __attribute__((target("avx2,fma"))) void attend_avx2(const Task& t,
                                            scores + i * ld, ld);
   if (s0 < t.prefix)  // the last slots of the cache: fewer than 16
     scores_plain(qs, Q, t.k, t.H, t.S, s0, t.prefix, scores, ld);
-  scores_new(t, qs, Q, scores, ld);
+  // The new tokens' keys as an [H, Tp] block (zero-padded to whole blocks
+  // of 16), scored like cache slots, right after the prefix's (past
+  // `used`, the padding's scores are never read).
+  const int64_t Tp = blocks16(t.T);
+  for (int64_t h = 0; h < t.H; ++h)
+    for (int64_t u = 0; u < Tp; ++u)
+      kt[h * Tp + u] = u < t.T ? t.k_new[u * t.new_stride + h] : 0.0f;
+  for (int64_t u0 = 0; u0 < Tp; u0 += 16)
+    for (int64_t i = 0; i < Q; i += 4)
+      kScores[std::min<int64_t>(4, Q - i)](qs + i * t.H, kt, t.H, Tp, u0,
+                                           scores + i * ld + t.prefix, ld);
   softmax_rows(scores, ld, Q, t.R, t.used, t.prefix, t.mask, t.t0, t.T);
   for (int64_t i = 0; i < Q; i += 3) {
     const int64_t qb = std::min<int64_t>(3, Q - i);
@@ -291,9 +323,10 @@ __attribute__((target("avx2,fma"))) void attend_avx2(const Task& t,
 // The variant for this CPU and head size, chosen by the CPU's features.
 const bool kAvx2 = specjax::has_avx2_fma();
 
-void attend(const Task& t, float* qs, float* scores) {
+// Scratch: qs [Q, H], scores [Q, score_stride], kt [H, blocks16(T)].
+void attend(const Task& t, float* qs, float* scores, float* kt) {
   if (kAvx2 && t.H % 8 == 0)
-    attend_avx2(t, qs, scores);
+    attend_avx2(t, qs, scores, kt);
   else
     attend_generic(t, qs, scores);
 }
@@ -341,13 +374,15 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     const int64_t prefix = std::clamp<int64_t>(lp[b], 0, S);
     const int64_t used = prefix + T;
     const int64_t Q = (t1 - t0) * R;
-    std::vector<float> scratch(Q * (H + score_stride(used)));
+    const int64_t ld = score_stride(prefix, T);
+    std::vector<float> scratch(Q * (H + ld) + H * blocks16(T));
     const int64_t at = ((b * T + t0) * N + g * R) * H;
     const int64_t at_new = (b * T * G + g) * H;
     attend(Task{qp + at, kp + (b * G + g) * H * S, vp + (b * G + g) * S * H,
                 knp + at_new, vnp + at_new, op + at, N * H, G * H, H, S,
                 used, prefix, t0, t1, T, R, mp + b * T * T},
-           scratch.data(), scratch.data() + Q * H);
+           scratch.data(), scratch.data() + Q * H,
+           scratch.data() + Q * (H + ld));
   });
   return ffi::Error::Success();
 }
