@@ -151,3 +151,22 @@ def test_cache_write_drops_past_capacity():
   np.testing.assert_array_equal(k2[1, :, :, 4], new[1, 0])
   assert float(jnp.abs(v2[0, :, :3]).sum() + jnp.abs(v2[1, :, :4]).sum()) == 0
   assert float(jnp.abs(k2[0, :, :, :3]).sum()) == 0
+
+
+def test_rope_tables_are_computed_once_per_forward(tiny):
+  """Invariant: the compiled forward evaluates RoPE's cos and sin once for
+  all layers, not once per layer (XLA CPU, left to itself, fuses them into
+  every layer's RoPE and evaluates them per element of q and k: at 16 new
+  tokens 1.6 ms of a SmolLM2 step). Six layers; the two branches of
+  ``rope_once``'s conditional hold one each. Mutation caught: ``rope`` in
+  place of ``rope_once`` (six of each)."""
+  import dataclasses
+  import re
+  _, cfg, _ = tiny
+  cfg = dataclasses.replace(cfg, num_layers=6)
+  params = llama.random_params(jax.random.key(0), cfg)
+  hlo = jax.jit(lambda p, t, c: llama.forward(p, cfg, t, c).logits).lower(
+      params, jnp.zeros((1, 8), jnp.int32),
+      llama.init_cache(cfg, 1, S)).compile().as_text()
+  counts = [len(re.findall(rf"\b{op}\(", hlo)) for op in ("cosine", "sine")]
+  assert counts[0] <= 2 and counts[1] <= 2, counts
