@@ -12,6 +12,10 @@ front to back. ``attention`` (``kernels/attention.cc``) is the decode and
 verify attention of packed models (``llama.forward``): XLA's spends a third
 of a decode step on every slot of the cache; it reads only the slots in use.
 
+Each kernel runs the widest of its AVX-512, AVX2 + FMA and plain C++
+variants that the CPU has (``isa()``; ``SPECJAX_NATIVE_ISA=avx2`` or
+``generic`` caps it, read once a process).
+
 The shared library is built by the README's set-up command (``make
 install``: ``g++`` against ``jax.ffi.include_dir()``). When it is missing or
 fails to load, or ``SPECJAX_NATIVE=0`` is set, ``available()`` is False with
@@ -48,6 +52,17 @@ def available() -> bool:
       warnings.warn(f"specjax: native CPU kernels off ({reason}); using "
                     "XLA's ops", RuntimeWarning, stacklevel=2)
   return _status["ok"]
+
+
+def isa() -> str:
+  """The instruction set the kernels run on this CPU: ``"avx512"``,
+  ``"avx2"`` or ``"generic"`` (plain C++), the widest the CPU has unless
+  the environment variable ``SPECJAX_NATIVE_ISA`` (``avx2``, ``generic``)
+  caps it; ``"unavailable"`` without the library."""
+  if not available():
+    return "unavailable"
+  lib = ctypes.cdll.LoadLibrary(str(LIBRARY))
+  return ("generic", "avx2", "avx512")[lib.SpecjaxIsa()]
 
 
 def default_on(dtype) -> bool:

@@ -94,6 +94,43 @@ def test_switched_off_it_warns_once_and_uses_xla(monkeypatch):
     assert not native.available()
 
 
+def _cpu_flags() -> set:
+  with open("/proc/cpuinfo") as f:
+    return set(next(l for l in f if l.startswith("flags")).split())
+
+
+def test_isa_is_the_widest_the_cpu_has_unless_capped():
+  """Invariant: the kernels run the widest variant the CPU has (AVX-512,
+  else AVX2 + FMA, else plain C++), or the cap SPECJAX_NATIVE_ISA names."""
+  import os
+  flags = _cpu_flags()
+  widest = ("avx512" if {"avx512f", "avx2", "fma"} <= flags else
+            "avx2" if {"avx2", "fma"} <= flags else "generic")
+  order = ("generic", "avx2", "avx512")
+  cap = os.environ.get("SPECJAX_NATIVE_ISA", "avx512")
+  assert native.isa() == order[min(order.index(widest), order.index(cap))]
+
+
+@pytest.mark.parametrize("cap", [
+    "avx2", pytest.param("generic", marks=pytest.mark.long)])
+def test_narrower_variants_give_the_same_products(cap):
+  """Invariant: capped to AVX2 (or plain C++) on a wider CPU, the kernels'
+  tests above all hold: the matmul for every row count and shape, bf16
+  panels, attention over ragged caches and tree masks (a pytest run in a
+  process with SPECJAX_NATIVE_ISA set, whose isa test checks the cap)."""
+  import os
+  import subprocess
+  import sys
+  tests = ("isa_is_the_widest or small_matmul_equals_xla or bf16_panels or "
+           "attention_equals_xla")
+  run = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+       __file__, "-k", tests], capture_output=True, text=True,
+      env={**os.environ, "SPECJAX_NATIVE_ISA": cap})
+  assert run.returncode == 0, run.stdout[-3000:]
+  assert " passed" in run.stdout and "failed" not in run.stdout
+
+
 def test_on_by_default_only_for_f32_on_the_cpu(monkeypatch):
   """Invariant: ``load_model`` packs (``default_on``) for f32 weights on the
   CPU backend with the kernel available, and for nothing else."""

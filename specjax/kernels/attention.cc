@@ -321,7 +321,7 @@ __attribute__((target("avx2,fma"))) void attend_avx2(const Task& t,
 }
 
 // The variant for this CPU and head size, chosen by the CPU's features.
-const bool kAvx2 = specjax::has_avx2_fma();
+const bool kAvx2 = specjax::isa() != specjax::Isa::kGeneric;
 
 // Scratch: qs [Q, H], scores [Q, score_stride], kt [H, blocks16(T)].
 void attend(const Task& t, float* qs, float* scores, float* kt) {

@@ -6,7 +6,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
+#include <string>
 #include <thread>
 
 #include "xla/ffi/api/ffi.h"
@@ -18,6 +20,25 @@ namespace specjax {
 inline bool has_avx2_fma() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+enum class Isa { kGeneric, kAvx2, kAvx512 };
+
+// The widest variant this CPU runs, capped by the environment variable
+// SPECJAX_NATIVE_ISA ("avx2" or "generic"; read once), so that a test can
+// run the narrower variants on a wider CPU.
+inline Isa isa() {
+  static const Isa chosen = [] {
+    __builtin_cpu_init();
+    Isa best = __builtin_cpu_supports("avx512f") && has_avx2_fma() ? Isa::kAvx512
+               : has_avx2_fma()                                    ? Isa::kAvx2
+                                                                   : Isa::kGeneric;
+    const char* cap = std::getenv("SPECJAX_NATIVE_ISA");
+    if (cap && std::string(cap) == "avx2") best = std::min(best, Isa::kAvx2);
+    if (cap && std::string(cap) == "generic") best = Isa::kGeneric;
+    return best;
+  }();
+  return chosen;
 }
 
 // Runs fn(i) for i in [0, n). Items go out from a shared counter: the

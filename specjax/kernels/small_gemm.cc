@@ -15,8 +15,8 @@
 // share of the next chunk, so the weights stream in while the later blocks
 // compute (8 rows: 1.10x a one-row matmul, 16 rows: 1.38x on the EPYC
 // host). Variants measured and dropped: DESIGN.md. Panels are shared out
-// over XLA's intra-op thread pool. AVX2 + FMA where the CPU has them (an
-// AVX-512 variant is still to come), else plain C++.
+// over XLA's intra-op thread pool. AVX-512 where the CPU has it, else AVX2 +
+// FMA, else plain C++ (specjax::isa).
 //
 // Panels hold f32 or bf16 weights (SpecjaxSmallGemmBf16): a bf16 weight is
 // widened to f32 in registers (its 16 bits become the float's top half,
@@ -52,6 +52,17 @@ __attribute__((target("avx2,fma"), always_inline)) inline __m256 load8(
     const bf16* w) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// A panel row's 16 weights as f32 (AVX-512).
+__attribute__((target("avx512f"), always_inline)) inline __m512 load16(
+    const float* w) {
+  return _mm512_loadu_ps(w);
+}
+__attribute__((target("avx512f"), always_inline)) inline __m512 load16(
+    const bf16* w) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
 // One weight as f32 (plain C++).
@@ -112,6 +123,56 @@ __attribute__((target("avx2,fma"))) void block_avx2(
 #undef SPECJAX_STORE
 }
 
+// The same with AVX-512: a panel row is one zmm, so a row needs one
+// accumulator per FMA chain; two chains a row (even and odd k, added at the
+// end) keep even a one-row block from waiting on the FMA latency. Half the
+// AVX2 FMAs for the same rows: at 16 rows the AVX2 kernel is bound by the
+// FMA rate, not the weight read (docs/DESIGN.md).
+template <typename W, int MB>
+__attribute__((target("avx512f"))) void block_avx512(
+    const float* x, int64_t ldx, const W* panel, int64_t K, float* out,
+    bool accumulate, const W* ahead, int64_t step) {
+  __m512 e0 = _mm512_setzero_ps(), o0 = e0, e1 = e0, o1 = e0, e2 = e0,
+         o2 = e0, e3 = e0, o3 = e0, e4 = e0, o4 = e0, e5 = e0, o5 = e0;
+  if (accumulate) {
+#define SPECJAX_LOAD(r) \
+  if constexpr (MB > r) e##r = _mm512_loadu_ps(out + r * kLanes);
+    SPECJAX_LOAD(0) SPECJAX_LOAD(1) SPECJAX_LOAD(2)
+    SPECJAX_LOAD(3) SPECJAX_LOAD(4) SPECJAX_LOAD(5)
+#undef SPECJAX_LOAD
+  }
+#define SPECJAX_ROW(r, acc, w, k)                                          \
+  if constexpr (MB > r)                                                   \
+    acc##r = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + (k)]), w, acc##r);
+#define SPECJAX_ROWS(acc, w, k)                                            \
+  SPECJAX_ROW(0, acc, w, k) SPECJAX_ROW(1, acc, w, k)                     \
+  SPECJAX_ROW(2, acc, w, k) SPECJAX_ROW(3, acc, w, k)                     \
+  SPECJAX_ROW(4, acc, w, k) SPECJAX_ROW(5, acc, w, k)
+  int64_t k = 0;
+  for (; k + 1 < K; k += 2) {
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + (k * step >> 16) * kLanes),
+                 _MM_HINT_T0);
+    _mm_prefetch(
+        reinterpret_cast<const char*>(ahead + ((k + 1) * step >> 16) * kLanes),
+        _MM_HINT_T0);
+    const __m512 w0 = load16(panel + k * kLanes);
+    const __m512 w1 = load16(panel + (k + 1) * kLanes);
+    SPECJAX_ROWS(e, w0, k)
+    SPECJAX_ROWS(o, w1, k + 1)
+  }
+  if (k < K) {
+    const __m512 w0 = load16(panel + k * kLanes);
+    SPECJAX_ROWS(e, w0, k)
+  }
+#undef SPECJAX_ROWS
+#undef SPECJAX_ROW
+#define SPECJAX_STORE(r) \
+  if constexpr (MB > r) _mm512_storeu_ps(out + r * kLanes, _mm512_add_ps(e##r, o##r));
+  SPECJAX_STORE(0) SPECJAX_STORE(1) SPECJAX_STORE(2)
+  SPECJAX_STORE(3) SPECJAX_STORE(4) SPECJAX_STORE(5)
+#undef SPECJAX_STORE
+}
+
 // The same in plain C++, for CPUs without AVX2 + FMA.
 template <typename W, int MB>
 void block_generic(const float* x, int64_t ldx, const W* panel, int64_t K,
@@ -132,14 +193,18 @@ using BlockFn = void (*)(const float*, int64_t, const W*, int64_t, float*,
   {nullptr, fn<W, 1>, fn<W, 2>, fn<W, 3>, fn<W, 4>, fn<W, 5>, fn<W, 6>}
 
 // The block kernels for this CPU and weight type, chosen once by the CPU's
-// features.
+// features (specjax::isa: SPECJAX_NATIVE_ISA may cap them).
 template <typename W>
 struct Blocks {
+  static constexpr BlockFn<W> avx512[kRows + 1] =
+      SPECJAX_BLOCKS(block_avx512, W);
   static constexpr BlockFn<W> avx2[kRows + 1] = SPECJAX_BLOCKS(block_avx2, W);
   static constexpr BlockFn<W> generic[kRows + 1] =
       SPECJAX_BLOCKS(block_generic, W);
   static inline const BlockFn<W>* const fns =
-      specjax::has_avx2_fma() ? avx2 : generic;
+      specjax::isa() == specjax::Isa::kAvx512
+          ? avx512
+          : specjax::isa() == specjax::Isa::kAvx2 ? avx2 : generic;
 };
 #undef SPECJAX_BLOCKS
 
@@ -204,6 +269,10 @@ ffi::Error SmallGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 }
 
 }  // namespace
+
+// The variant the kernels run on this CPU: 0 plain C++, 1 AVX2 + FMA,
+// 2 AVX-512 (specjax.native.isa).
+extern "C" int SpecjaxIsa() { return static_cast<int>(specjax::isa()); }
 
 #define SPECJAX_SMALL_GEMM(name, WT)                                  \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(name, SmallGemm<WT>,                  \
