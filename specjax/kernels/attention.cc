@@ -5,9 +5,10 @@
 // (18 of 55 ms at 256 cached tokens in a 512-slot cache; 65 of 115 ms at
 // batch 8). This one reads each row's keys and values only up to the slots
 // in use and skips masked ones: the rows' stale slots are never read. With
-// AVX2 both products are blocked in registers (a key or value vector loaded
-// once for several queries) and the cache lines are prefetched: 30 layers
-// at 8 new tokens took 2.2 ms (5.5 ms with GCC's vectorized loops alone).
+// AVX-512 or AVX2 both products are blocked in registers (a key or value
+// vector loaded once for several queries) and the cache lines are
+// prefetched: 30 layers at 8 new tokens took 2.2 ms with AVX2 (5.5 ms with
+// GCC's vectorized loops alone).
 //
 // New token t of row b sees the row's prefix, cache slots s < lengths[b],
 // and new token u iff mask[b, t, u]. The new tokens' keys and values come
@@ -269,31 +270,124 @@ __attribute__((target("avx2,fma"))) void values_avx2(
 
 using ScoresFn = void (*)(const float*, const float*, int64_t, int64_t,
                           int64_t, float*, int64_t);
-constexpr ScoresFn kScores[5] = {nullptr, scores_avx2<1>, scores_avx2<2>,
-                                 scores_avx2<3>, scores_avx2<4>};
 using ValuesFn = void (*)(const float*, int64_t, const float*, int64_t,
                           int64_t, int64_t, float* const*);
-#define SPECJAX_VALUES(q) \
-  {nullptr, values_avx2<q, 1>, values_avx2<q, 2>, values_avx2<q, 3>, \
-   values_avx2<q, 4>}
-constexpr ValuesFn kValues[4][5] = {
-    {}, SPECJAX_VALUES(1), SPECJAX_VALUES(2), SPECJAX_VALUES(3)};
+
+// AVX-512: a 16-slot block or 16 head dims are one zmm. Scores: QB <= 8
+// queries x 16 slots in 8 accumulators; values: QB <= 6 queries x DV <= 4
+// vectors of head dims [d0, d0 + 16 DV) in 24. Twice the AVX2 blocks' work
+// a loaded vector.
+template <int QB>
+__attribute__((target("avx512f"))) void scores_avx512(
+    const float* qs, const float* k, int64_t H, int64_t S, int64_t s0,
+    float* scores, int64_t ld) {
+  __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0,
+         c5 = c0, c6 = c0, c7 = c0;
+  for (int64_t h = 0; h < H; ++h) {
+    _mm_prefetch(reinterpret_cast<const char*>(k + h * S + s0 + kAheadK),
+                 _MM_HINT_T0);
+    const __m512 kv = _mm512_loadu_ps(k + h * S + s0);
+#define SPECJAX_QUERY(i)                                                    \
+  if constexpr (QB > i)                                                     \
+    c##i = _mm512_fmadd_ps(_mm512_set1_ps(qs[i * H + h]), kv, c##i);
+    SPECJAX_QUERY(0) SPECJAX_QUERY(1) SPECJAX_QUERY(2) SPECJAX_QUERY(3)
+    SPECJAX_QUERY(4) SPECJAX_QUERY(5) SPECJAX_QUERY(6) SPECJAX_QUERY(7)
+#undef SPECJAX_QUERY
+  }
+#define SPECJAX_STORE(i) \
+  if constexpr (QB > i) _mm512_storeu_ps(scores + i * ld + s0, c##i);
+  SPECJAX_STORE(0) SPECJAX_STORE(1) SPECJAX_STORE(2) SPECJAX_STORE(3)
+  SPECJAX_STORE(4) SPECJAX_STORE(5) SPECJAX_STORE(6) SPECJAX_STORE(7)
+#undef SPECJAX_STORE
+}
+
+template <int QB, int DV>
+__attribute__((target("avx512f"))) void values_avx512(
+    const float* p, int64_t ld, const float* v, int64_t H, int64_t used,
+    int64_t d0, float* const* outs) {
+#define SPECJAX_ACC(i) \
+  __m512 a##i##0 = _mm512_setzero_ps(), a##i##1 = a##i##0, a##i##2 = a##i##0, \
+         a##i##3 = a##i##0;
+  SPECJAX_ACC(0) SPECJAX_ACC(1) SPECJAX_ACC(2)
+  SPECJAX_ACC(3) SPECJAX_ACC(4) SPECJAX_ACC(5)
+#undef SPECJAX_ACC
+  for (int64_t s = 0; s < used; ++s) {
+    const float* vs = v + s * H + d0;
+    _mm_prefetch(reinterpret_cast<const char*>(vs + kAheadV * H), _MM_HINT_T0);
+#define SPECJAX_PROB(i) \
+  const __m512 p##i = _mm512_set1_ps(p[(QB > i ? i : 0) * ld + s]);
+    SPECJAX_PROB(0) SPECJAX_PROB(1) SPECJAX_PROB(2)
+    SPECJAX_PROB(3) SPECJAX_PROB(4) SPECJAX_PROB(5)
+#undef SPECJAX_PROB
+#define SPECJAX_FMA(i, j) \
+  if constexpr (QB > i) a##i##j = _mm512_fmadd_ps(p##i, vv, a##i##j);
+#define SPECJAX_DIMS(j)                                                      \
+  if constexpr (DV > j) {                                                    \
+    const __m512 vv = _mm512_loadu_ps(vs + 16 * j);                          \
+    SPECJAX_FMA(0, j) SPECJAX_FMA(1, j) SPECJAX_FMA(2, j)                    \
+    SPECJAX_FMA(3, j) SPECJAX_FMA(4, j) SPECJAX_FMA(5, j)                    \
+  }
+    SPECJAX_DIMS(0) SPECJAX_DIMS(1) SPECJAX_DIMS(2) SPECJAX_DIMS(3)
+#undef SPECJAX_DIMS
+#undef SPECJAX_FMA
+  }
+#define SPECJAX_STORE(i, j) \
+  if constexpr (QB > i && DV > j) \
+    _mm512_storeu_ps(outs[i] + d0 + 16 * j, a##i##j);
+#define SPECJAX_STORES(i) \
+  SPECJAX_STORE(i, 0) SPECJAX_STORE(i, 1) SPECJAX_STORE(i, 2) SPECJAX_STORE(i, 3)
+  SPECJAX_STORES(0) SPECJAX_STORES(1) SPECJAX_STORES(2)
+  SPECJAX_STORES(3) SPECJAX_STORES(4) SPECJAX_STORES(5)
+#undef SPECJAX_STORES
+#undef SPECJAX_STORE
+}
+
+#define SPECJAX_VALUES(f, q) {nullptr, f<q, 1>, f<q, 2>, f<q, 3>, f<q, 4>}
+// The register blocks of one instruction set: queries a scores call takes,
+// queries and dims (vectors of kLanes) a values call takes.
+struct Avx2 {
+  static constexpr int64_t kScoreQ = 4, kValueQ = 3, kLanes = 8;
+  static constexpr ScoresFn scores[kScoreQ + 1] = {
+      nullptr, scores_avx2<1>, scores_avx2<2>, scores_avx2<3>,
+      scores_avx2<4>};
+  static constexpr ValuesFn values[kValueQ + 1][5] = {
+      {}, SPECJAX_VALUES(values_avx2, 1), SPECJAX_VALUES(values_avx2, 2),
+      SPECJAX_VALUES(values_avx2, 3)};
+};
+struct Avx512 {
+  static constexpr int64_t kScoreQ = 8, kValueQ = 6, kLanes = 16;
+  static constexpr ScoresFn scores[kScoreQ + 1] = {
+      nullptr,          scores_avx512<1>, scores_avx512<2>,
+      scores_avx512<3>, scores_avx512<4>, scores_avx512<5>,
+      scores_avx512<6>, scores_avx512<7>, scores_avx512<8>};
+  static constexpr ValuesFn values[kValueQ + 1][5] = {
+      {},
+      SPECJAX_VALUES(values_avx512, 1), SPECJAX_VALUES(values_avx512, 2),
+      SPECJAX_VALUES(values_avx512, 3), SPECJAX_VALUES(values_avx512, 4),
+      SPECJAX_VALUES(values_avx512, 5), SPECJAX_VALUES(values_avx512, 6)};
+};
 #undef SPECJAX_VALUES
 
-// Needs H a multiple of 8 (attend chooses).
-__attribute__((target("avx2,fma"))) void attend_avx2(const Task& t,
-                                                     float* qs,
-                                                     float* scores,
-                                                     float* kt) {
+// A task with the register-blocked products of instruction set P (H a
+// multiple of P::kLanes; attend chooses); inlined into a wrapper compiled
+// for P, so the softmax and the small loops are vectorized for it too.
+template <class P>
+__attribute__((always_inline)) inline void attend_blocked(const Task& t,
+                                                          float* qs,
+                                                          float* scores,
+                                                          float* kt) {
   const int64_t Q = (t.t1 - t.t0) * t.R, ld = score_stride(t.prefix, t.T);
+  const auto score = [&](const float* keys, int64_t stride, int64_t s0,
+                         float* out) {
+    for (int64_t i = 0; i < Q; i += P::kScoreQ)
+      P::scores[std::min(P::kScoreQ, Q - i)](qs + i * t.H, keys, t.H, stride,
+                                             s0, out + i * ld, ld);
+  };
   scale_queries(t, qs);
   // The prefix's slots in blocks of 16 (a last block may spill past the
   // prefix inside the buffer: those scores are overwritten just below).
   int64_t s0 = 0;
-  for (; s0 < t.prefix && s0 + 16 <= t.S; s0 += 16)
-    for (int64_t i = 0; i < Q; i += 4)
-      kScores[std::min<int64_t>(4, Q - i)](qs + i * t.H, t.k, t.H, t.S, s0,
-                                           scores + i * ld, ld);
+  for (; s0 < t.prefix && s0 + 16 <= t.S; s0 += 16) score(t.k, t.S, s0, scores);
   if (s0 < t.prefix)  // the last slots of the cache: fewer than 16
     scores_plain(qs, Q, t.k, t.H, t.S, s0, t.prefix, scores, ld);
   // The new tokens' keys as an [H, Tp] block (zero-padded to whole blocks
@@ -303,29 +397,41 @@ __attribute__((target("avx2,fma"))) void attend_avx2(const Task& t,
   for (int64_t h = 0; h < t.H; ++h)
     for (int64_t u = 0; u < Tp; ++u)
       kt[h * Tp + u] = u < t.T ? t.k_new[u * t.new_stride + h] : 0.0f;
-  for (int64_t u0 = 0; u0 < Tp; u0 += 16)
-    for (int64_t i = 0; i < Q; i += 4)
-      kScores[std::min<int64_t>(4, Q - i)](qs + i * t.H, kt, t.H, Tp, u0,
-                                           scores + i * ld + t.prefix, ld);
+  for (int64_t u0 = 0; u0 < Tp; u0 += 16) score(kt, Tp, u0, scores + t.prefix);
   softmax_rows(scores, ld, Q, t.R, t.used, t.prefix, t.mask, t.t0, t.T);
-  for (int64_t i = 0; i < Q; i += 3) {
-    const int64_t qb = std::min<int64_t>(3, Q - i);
-    float* outs[3];
+  for (int64_t i = 0; i < Q; i += P::kValueQ) {
+    const int64_t qb = std::min(P::kValueQ, Q - i);
+    float* outs[P::kValueQ];
     for (int64_t j = 0; j < qb; ++j)
       outs[j] = t.out + ((i + j) / t.R) * t.stride + ((i + j) % t.R) * t.H;
-    for (int64_t d0 = 0; d0 < t.H; d0 += 32)
-      kValues[qb][std::min<int64_t>(4, (t.H - d0) / 8)](
+    for (int64_t d0 = 0; d0 < t.H; d0 += 4 * P::kLanes)
+      P::values[qb][std::min<int64_t>(4, (t.H - d0) / P::kLanes)](
           scores + i * ld, ld, t.v, t.H, t.prefix, d0, outs);
   }
   values_new(t, scores, Q, ld);
 }
 
-// The variant for this CPU and head size, chosen by the CPU's features.
-const bool kAvx2 = specjax::isa() != specjax::Isa::kGeneric;
+__attribute__((target("avx2,fma"))) void attend_avx2(const Task& t,
+                                                     float* qs, float* scores,
+                                                     float* kt) {
+  attend_blocked<Avx2>(t, qs, scores, kt);
+}
+
+__attribute__((target("avx512f"))) void attend_avx512(const Task& t,
+                                                      float* qs,
+                                                      float* scores,
+                                                      float* kt) {
+  attend_blocked<Avx512>(t, qs, scores, kt);
+}
+
+// The variant for this CPU and head size (specjax::isa).
+const specjax::Isa kIsa = specjax::isa();
 
 // Scratch: qs [Q, H], scores [Q, score_stride], kt [H, blocks16(T)].
 void attend(const Task& t, float* qs, float* scores, float* kt) {
-  if (kAvx2 && t.H % 8 == 0)
+  if (kIsa == specjax::Isa::kAvx512 && t.H % 16 == 0)
+    attend_avx512(t, qs, scores, kt);
+  else if (kIsa != specjax::Isa::kGeneric && t.H % 8 == 0)
     attend_avx2(t, qs, scores, kt);
   else
     attend_generic(t, qs, scores);
