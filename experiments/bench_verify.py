@@ -4,8 +4,8 @@
   .venv/bin/python experiments/bench_verify.py --level matmul --rows 1,2,4,8,16
 
 SmolLM2-135M's real weights (f32). ``forward``: ``specjax.forward`` over
-T in {1, 2, 4, 8, 16} new tokens on top of 256 cached ones per row, with the
-plain weights (XLA's dot) and with ``llama.pack_params`` (the kernel), per
+T in {1, 2, 4, 8, 16} (``--tokens``) new tokens on top of 256 cached ones
+per row, with the plain weights (XLA's dot) and with ``llama.pack_params`` (the kernel), per
 batch size, and the weight read in the same rounds (``roofline``: the
 read's time over the one-token step's, at the first batch size).
 ``matmul``: per row count M, three jitted programs:
@@ -14,7 +14,9 @@ layers) plus the LM head on independent inputs, once as XLA's ``x @ W`` and
 once as ``native.small_matmul`` on packed weights, and a read of every
 weight once (a sum: the weight-read roofline). Timed round-robin (one call
 of each per round), median over rounds. Prints one JSON line: ms per
-program and M, the ratio to M = 1, and the machine.
+program and M, the ratio to M = 1, the machine and the kernels' instruction
+set (``native.isa()``; ``SPECJAX_NATIVE_ISA=avx2`` runs the AVX2 variant on
+an AVX-512 CPU).
 """
 
 from __future__ import annotations
@@ -96,26 +98,31 @@ def main(argv=None) -> int:
   ap.add_argument("--level", choices=("forward", "matmul"), default="forward")
   ap.add_argument("--batch", default="1", help="forward: batch sizes")
   ap.add_argument("--rows", default="1,2,4,8,16", help="matmul: row counts")
+  ap.add_argument("--tokens", default="1,2,4,8,16",
+                  help="forward: new tokens per row (the first is the step "
+                       "the others are compared with)")
   ap.add_argument("--repeats", type=int, default=9)
   args = ap.parse_args(argv)
   if not native.available():
     raise SystemExit("bench_verify: the native kernel is not available")
   model = load_model("smollm2-135m", native=False)
   ints = lambda s: [int(x) for x in s.split(",")]
-  out = dict(machine=machine(), git_sha=git_sha(), level=args.level)
+  out = dict(machine=machine(), git_sha=git_sha(), level=args.level,
+             isa=native.isa())
   if args.level == "forward":
-    tokens = (1, 2, 4, 8, 16)
+    tokens = ints(args.tokens)
     calls = forward_calls(model, ints(args.batch), tokens)
     read, read_args = weight_read(weights_KN(model.params))
     calls["read"] = lambda: read(*read_args)
     ms = time_round_robin(calls, args.repeats)
     B1 = ints(args.batch)[0]
     out["read_ms"] = round(ms["read"], 2)
-    out["roofline"] = {name: round(ms["read"] / ms[(name, B1, 1)], 3)
+    out["roofline"] = {name: round(ms["read"] / ms[(name, B1, tokens[0])], 3)
                        for name in ("xla", "native")}
     out["forward"] = [dict(batch=B, tokens=T, **{
         name: dict(ms=round(ms[(name, B, T)], 2),
-                   vs_t1=round(ms[(name, B, T)] / ms[(name, B, 1)], 3))
+                   vs_t1=round(ms[(name, B, T)] / ms[(name, B, tokens[0])],
+                               3))
         for name in ("xla", "native")}) for B in ints(args.batch)
         for T in tokens]
   else:

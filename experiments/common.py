@@ -23,11 +23,21 @@ CHAT_PROMPTS = (
 
 
 def machine() -> str:
+  """The host as results name it: the CPU's model name (lscpu's line) and,
+  since hosts sold under one name differ (AMD EPYC: Zen 3 with AVX2, Zen 5
+  with AVX-512), its family/model and widest vector ISA; cores; jax."""
   cpu = platform.processor() or platform.machine()
   try:
     with open("/proc/cpuinfo") as f:
-      cpu = next(l.split(":", 1)[1].strip() for l in f if "model name" in l)
-  except (OSError, StopIteration):
+      info = dict(l.split(":", 1) for l in f.read().split("\n\n")[0]
+                  .splitlines() if ":" in l)
+    info = {k.strip(): v.strip() for k, v in info.items()}
+    flags = set(info.get("flags", "").split())
+    isa = ("avx512" if "avx512f" in flags else
+           "avx2" if "avx2" in flags else "no avx2")
+    cpu = (f"{info['model name']} (family {info.get('cpu family', '?')} "
+           f"model {info.get('model', '?')}, {isa})")
+  except (OSError, KeyError, ValueError):
     pass
   return (f"{cpu}, {os.cpu_count()} cores, jax {jax.__version__} "
           f"({jax.default_backend()}), python {platform.python_version()}")
