@@ -111,8 +111,8 @@ def test_isa_is_the_widest_the_cpu_has_unless_capped():
   assert native.isa() == order[min(order.index(widest), order.index(cap))]
 
 
-@pytest.mark.parametrize("cap", [
-    "avx2", pytest.param("generic", marks=pytest.mark.long)])
+@pytest.mark.long  # ~40 s: a second pytest process (CI's second stage)
+@pytest.mark.parametrize("cap", ["avx2", "generic"])
 def test_narrower_variants_give_the_same_products(cap):
   """Invariant: capped to AVX2 (or plain C++) on a wider CPU, the kernels'
   tests above all hold: the matmul for every row count and shape, bf16
