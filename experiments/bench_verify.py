@@ -5,8 +5,8 @@
 
 SmolLM2-135M's real weights (f32). ``forward``: ``specjax.forward`` over
 T in {1, 2, 4, 8, 16} (``--tokens``) new tokens on top of 256 cached ones
-per row, with the plain weights (XLA's dot) and with ``llama.pack_params`` (the kernel), per
-batch size, and the weight read in the same rounds (``roofline``: the
+per row, with the plain weights (XLA's dot) and with ``llama.pack_params``
+(the kernel), per batch size, and the weight read in the same rounds (``roofline``: the
 read's time over the one-token step's, at the first batch size).
 ``matmul``: per row count M, three jitted programs:
 every layer's four matmuls (fused q/k/v, o, fused gate/up, down: 120 for 30
