@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any, Optional
 if TYPE_CHECKING:
   from specjax.models.registry import Model
 
-METHODS = ("ar", "ngram", "draft", "layerskip", "retrieval", "eagle", "eagle3",
-           "medusa")
+METHODS = ("ar", "ngram", "draft", "layerskip", "retrieval", "ngram+retrieval",
+           "eagle", "eagle3", "medusa")
 # Methods that draft with a trained head, and the head variant each loads.
 HEADS = {"eagle": "eagle1", "eagle3": "eagle3", "medusa": "medusa"}
 # Heads shipped inside the package, by (target model name, method).
@@ -37,12 +37,14 @@ class MethodSpec:
     min_confidence: dynamic K threshold for model and EAGLE drafters
       (0 = fixed K).
     draft_model: the "draft" method's model (a name, .gguf or HF dir).
-    datastore_conversations: ShareGPT conversations behind "retrieval".
+    datastore_conversations: ShareGPT conversations behind "retrieval" and
+      "ngram+retrieval".
     head: the "eagle" (EAGLE-1) / "eagle3" / "medusa" head file (None = the
       one shipped for the model).
     tree_nodes: 0 for chains; else draft trees of up to this many nodes,
       ``num_draft`` deep (drafters with ``propose_tree``: "ngram",
-      "retrieval", "eagle", "eagle3", and "medusa" with a ``tree_shape``).
+      "retrieval", "ngram+retrieval", "eagle", "eagle3", and "medusa" with a
+      ``tree_shape``).
     tree_width: a tree's branching: n-gram matches merged into the trie,
       or EAGLE's top-k per expanded node and nodes expanded per level.
     tree_shape: EAGLE and Medusa heads: a static tree (``tree.parse_shape``:
@@ -103,8 +105,8 @@ def build(model: Model, spec: MethodSpec) -> tuple[Any, Any]:
     from specjax.drafters.base import TreeDrafter
     if not isinstance(built[0], TreeDrafter):
       raise MethodError(f"--method {spec.name} drafts chains only; trees "
-                        f"(--tree-nodes) work with: ngram, retrieval, eagle, "
-                        f"eagle3, medusa")
+                        f"(--tree-nodes) work with: ngram, retrieval, "
+                        f"ngram+retrieval, eagle, eagle3, medusa")
   return built
 
 
@@ -131,13 +133,22 @@ def _build(model: Model, spec: MethodSpec) -> tuple[Any, Any]:
     return _draft_model(model, spec)
   if spec.name in HEADS:
     return _head(model, spec)
+  if spec.name == "ngram+retrieval":
+    from specjax.drafters import LookupDrafter, NGramDrafter
+    return (LookupDrafter(ngram=NGramDrafter(num_paths=spec.tree_width)),
+            _datastore(model, spec))
+  from specjax.drafters import RetrievalDrafter
+  return RetrievalDrafter(), _datastore(model, spec)
+
+
+def _datastore(model: Model, spec: MethodSpec):
+  """The ShareGPT datastore "retrieval" reads: built (or loaded from
+  ~/.cache/specjax) once, then kept on the device."""
   import jax
-  from specjax.drafters.retrieval import RetrievalDrafter, sharegpt_datastore
+  from specjax.drafters.retrieval import sharegpt_datastore
   kw = ({} if spec.datastore_conversations is None
         else dict(num_conversations=spec.datastore_conversations))
-  # Built (or loaded from ~/.cache/specjax) once, then kept on the device.
-  return (RetrievalDrafter(),
-          jax.device_put(sharegpt_datastore(model.tokenizer, **kw)))
+  return jax.device_put(sharegpt_datastore(model.tokenizer, **kw))
 
 
 def _draft_model(model: Model, spec: MethodSpec):

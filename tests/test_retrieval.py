@@ -7,7 +7,7 @@ import pytest
 import tokenizers
 
 from specjax import bucketing, data, engine
-from specjax.drafters import retrieval
+from specjax.drafters import LookupDrafter, retrieval
 from specjax.drafters.retrieval import (Datastore, RetrievalDrafter,
                                         build_datastore, context_hashes,
                                         sharegpt_datastore)
@@ -140,6 +140,30 @@ def test_tree_follows_every_suffix_order():
   np.testing.assert_array_equal(two.tokens[0], [3, 9, 4])
 
 
+def test_lookup_drafts_ngram_then_retrieval():
+  """Invariants of ``ngram+retrieval``: a chain is n-gram's continuation
+  where the row's own context has a match and the datastore's elsewhere; a
+  tree is one trie of n-gram's paths first, then every suffix order's
+  datastore path."""
+  ds = build_datastore(CORPUS, num_slots=64)
+  # Row 0: no earlier "3" in the row -> the datastore's 9. Row 1: "5 6"
+  # repeats -> n-gram's 5 6 (the datastore knows neither). Row 2: both.
+  tokens = jnp.array([[1, 2, 3, 0, 0, 0], [5, 6, 5, 6, 0, 0],
+                      [1, 2, 3, 1, 2, 3]])
+  num = jnp.array([3, 4, 6])
+  drafter = LookupDrafter()
+  chain = drafter.propose(ds, None, tokens, num, None, 3, None)
+  np.testing.assert_array_equal(chain.num_draft, [1, 2, 3])
+  np.testing.assert_array_equal(chain.tokens, [[9, 0, 0], [5, 6, 0],
+                                               [1, 2, 3]])
+  tree = drafter.propose_tree(ds, None, tokens, num, None, 3, 8, None).tree
+  # Row 2: n-gram's 1 2 3, then the datastore's 9 ("1 2 3") and 4 5 ("2 3").
+  np.testing.assert_array_equal(tree.tokens[2, :7], [3, 1, 9, 4, 2, 5, 3])
+  np.testing.assert_array_equal(tree.parents[2, :7], [0, 0, 0, 0, 1, 3, 4])
+  assert tree.valid[2].tolist() == [True] * 7 + [False] * 2
+  np.testing.assert_array_equal(tree.tokens[0, :4], [3, 9, 4, 5])
+
+
 def _run(params, cfg, dcfg, drafter_params=None, max_new=24):
   prompt_BT, lengths = bucketing.pad_prompts(PROMPTS)
   state = engine.generate_jit(params, prompt_BT, lengths, jax.random.key(0),
@@ -149,13 +173,15 @@ def _run(params, cfg, dcfg, drafter_params=None, max_new=24):
           for b in range(len(PROMPTS))], state
 
 
+@pytest.mark.parametrize("drafter", [RetrievalDrafter(), LookupDrafter()],
+                         ids=["retrieval", "ngram+retrieval"])
 @pytest.mark.parametrize("tree_nodes", [0, 6])
-def test_greedy_retrieval_equals_ar(tiny, tree_nodes):
-  """Invariants at T = 0 on a ragged batch, as chains and as tries: with a
-  table built from the AR continuations themselves plus conflicting noise
-  streams, speculative output equals AR output token for token, and drafts
-  were really accepted and rejected along the way (the test is not
-  vacuous)."""
+def test_greedy_retrieval_equals_ar(tiny, tree_nodes, drafter):
+  """Invariants at T = 0 on a ragged batch, as chains and as tries, for the
+  datastore alone and behind n-gram: with a table built from the AR
+  continuations themselves plus conflicting noise streams, speculative
+  output equals AR output token for token, and drafts were really accepted
+  and rejected along the way (the test is not vacuous)."""
   cfg, params = tiny
   ar, ar_state = _run(params, cfg, engine.DecodeConfig(capacity=64))
   rng = np.random.default_rng(0)
@@ -170,8 +196,7 @@ def test_greedy_retrieval_equals_ar(tiny, tree_nodes):
     noise += [bad, bad]
   ds = jax.device_put(build_datastore(truth + noise, num_slots=1024))
   spec, st = _run(params, cfg, engine.DecodeConfig(
-      capacity=64, drafter=RetrievalDrafter(), num_draft=4,
-      tree_nodes=tree_nodes), ds)
+      capacity=64, drafter=drafter, num_draft=4, tree_nodes=tree_nodes), ds)
   assert spec == ar
   accepted = np.asarray(st.accepted_at).sum(1)
   drafted = np.asarray(st.num_drafted)

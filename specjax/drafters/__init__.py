@@ -23,7 +23,8 @@ the target just ran (``[B, Tp, F]`` for the prompt at ``init``,
 ``[B, K + 1, F]`` for ``[newest token, drafts]`` at ``commit``; after a tree
 step, the accepted path's, in path order); otherwise ``features`` is None.
 
-A ``base.TreeDrafter`` (n-gram, retrieval, EAGLE, Medusa) also has
+A ``base.TreeDrafter`` (n-gram, retrieval, both together, EAGLE, Medusa)
+also has
 
   propose_tree(params, drafter_state, tokens_BS, num_tokens_B, key,
                num_draft, num_nodes, sampling) -> TreeProposal
@@ -35,13 +36,15 @@ most K deep, fixed before the target scores it (``DecodeConfig.tree_nodes``).
 from specjax.drafters.base import Drafter, Proposal, TreeDrafter, TreeProposal
 from specjax.drafters.draft_model import DraftModelDrafter, LayerSkipDrafter
 from specjax.drafters.eagle import EagleDrafter, EagleParams
+from specjax.drafters.lookup import LookupDrafter
 from specjax.drafters.medusa import MedusaDrafter, MedusaParams
 from specjax.drafters.ngram import NGramDrafter
 from specjax.drafters.retrieval import (Datastore, RetrievalDrafter,
                                         build_datastore, sharegpt_datastore)
 
 __all__ = ["Datastore", "DraftModelDrafter", "Drafter", "EagleDrafter",
-           "EagleParams", "LayerSkipDrafter", "MedusaDrafter", "MedusaParams",
+           "EagleParams", "LayerSkipDrafter", "LookupDrafter", "MedusaDrafter",
+           "MedusaParams",
            "NGramDrafter",
            "Proposal", "RetrievalDrafter", "TreeDrafter", "TreeProposal",
            "build_datastore", "sharegpt_datastore"]

@@ -394,12 +394,22 @@ class RetrievalDrafter(Stateless):
 
   def propose_tree(self, params: Datastore, state, tokens_BS, num_tokens_B,
                    key, num_draft, num_nodes, sampling) -> TreeProposal:
-    """A trie of the continuations each suffix order proposes: path p starts
-    with the token stored for the (p+1)-th longest suffix (the chain's first
-    draft for p = 0, then the shorter contexts' alternatives) and continues
-    as the chain does, up to ``num_draft`` deep; cut breadth first to
-    ``num_nodes`` drafted nodes. Orders that agree share one path."""
+    """A trie of the continuations each suffix order proposes (``paths``),
+    cut breadth first to ``num_nodes`` drafted nodes. Orders that agree
+    share one path."""
     del key, sampling
+    paths_BPK, lengths_BP = self.paths(params, tokens_BS, num_tokens_B,
+                                       num_draft)
+    root_B = at_rows(tokens_BS, num_tokens_B - 1)
+    return TreeProposal(tree=trie(root_B, paths_BPK, lengths_BP, num_nodes),
+                        state=state)
+
+  def paths(self, params: Datastore, tokens_BS, num_tokens_B, num_draft):
+    """``(tokens [B, P, K], lengths [B, P])``: path p starts with the token
+    stored for the (p+1)-th longest suffix (the chain's first draft for p =
+    0, then the shorter contexts' alternatives) and continues as the chain
+    does, up to ``num_draft`` deep; an order that missed gives an empty
+    path."""
     B, K = tokens_BS.shape[0], num_draft
     table = self._table(params)
     window_BN = self._window(tokens_BS, num_tokens_B)
@@ -416,6 +426,4 @@ class RetrievalDrafter(Stateless):
     paths_BPK = jnp.concatenate([first_BP[..., None],
                                  rest_RK.reshape(B, P, K - 1)], axis=2)
     lengths_BP = jnp.where(ok_BP, 1 + num_R.reshape(B, P), 0)
-    root_B = at_rows(tokens_BS, num_tokens_B - 1)
-    return TreeProposal(tree=trie(root_B, paths_BPK, lengths_BP, num_nodes),
-                        state=state)
+    return paths_BPK, lengths_BP
