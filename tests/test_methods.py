@@ -56,6 +56,17 @@ def test_static_tree_shape_sets_nodes_and_depth(smollm2):
     methods.build(smollm2, methods.MethodSpec("ngram", tree_shape="2"))
 
 
+def test_ngram_retrieval_builds_both_tables(smollm2, tmp_path, monkeypatch):
+  """Invariant: "ngram+retrieval" is n-gram with ``tree_width`` matches in
+  front of the retrieval drafter, its parameters the retrieval datastore."""
+  from specjax.drafters import Datastore, LookupDrafter
+  monkeypatch.setenv("HOME", str(tmp_path))  # the datastore cache
+  drafter, store = methods.build(smollm2, methods.MethodSpec(
+      "ngram+retrieval", tree_width=3, datastore_conversations=20))
+  assert isinstance(drafter, LookupDrafter) and isinstance(store, Datastore)
+  assert drafter.ngram.num_paths == 3
+
+
 def test_decoding_does_not_import_training():
   """Invariant: everything a decode with a trained head imports (the CLI,
   methods, engine, runner, every drafter with EAGLE's, the heads and their
