@@ -7,6 +7,9 @@ from typing import Any, ClassVar, Optional, Protocol, runtime_checkable
 import jax
 from flax import struct
 
+from specjax.rows import at_rows
+from specjax.tree import trie
+
 
 @struct.dataclass
 class Proposal:
@@ -89,3 +92,20 @@ class Stateless:
   def commit(self, params, state, tokens_BS, num_tokens_B, features=None):
     del params, tokens_BS, num_tokens_B, features
     return state
+
+
+class TableTrie(Stateless):
+  """A table drafter's tree (n-gram, retrieval, both): the trie of the
+  continuations its ``paths(params, tokens_BS, num_tokens_B, num_draft) ->
+  (tokens [B, P, K], lengths [B, P])`` returns, under the row's newest
+  token, cut breadth first to ``num_nodes`` drafted nodes (``tree.trie``:
+  shared prefixes once, siblings distinct)."""
+
+  def propose_tree(self, params, state, tokens_BS, num_tokens_B, key,
+                   num_draft, num_nodes, sampling) -> TreeProposal:
+    del key, sampling
+    paths_BPK, lengths_BP = self.paths(params, tokens_BS, num_tokens_B,
+                                       num_draft)
+    root_B = at_rows(tokens_BS, num_tokens_B - 1)
+    return TreeProposal(tree=trie(root_B, paths_BPK, lengths_BP, num_nodes),
+                        state=state)

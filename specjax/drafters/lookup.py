@@ -19,15 +19,13 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from specjax.drafters.base import Proposal, Stateless, TreeProposal
+from specjax.drafters.base import Proposal, TableTrie
 from specjax.drafters.ngram import NGramDrafter
 from specjax.drafters.retrieval import Datastore, RetrievalDrafter
-from specjax.rows import at_rows
-from specjax.tree import trie
 
 
 @dataclasses.dataclass(frozen=True)
-class LookupDrafter(Stateless):
+class LookupDrafter(TableTrie):
   """Attributes: the two drafters (params: the retrieval's datastore)."""
   ngram: NGramDrafter = NGramDrafter()
   retrieval: RetrievalDrafter = RetrievalDrafter()
@@ -44,14 +42,11 @@ class LookupDrafter(Stateless):
         probs=None, num_draft=jnp.where(use_B, own.num_draft,
                                         store.num_draft), state=state)
 
-  def propose_tree(self, params: Datastore, state, tokens_BS, num_tokens_B,
-                   key, num_draft, num_nodes, sampling) -> TreeProposal:
-    del key, sampling
-    own_BPK, own_BP = self.ngram.paths(tokens_BS, num_tokens_B, num_draft)
+  def paths(self, params: Datastore, tokens_BS, num_tokens_B, num_draft):
+    """n-gram's paths, then retrieval's (its trie: ``TableTrie``)."""
+    own_BPK, own_BP = self.ngram.paths(None, tokens_BS, num_tokens_B,
+                                       num_draft)
     store_BQK, store_BQ = self.retrieval.paths(params, tokens_BS,
                                                num_tokens_B, num_draft)
-    root_B = at_rows(tokens_BS, num_tokens_B - 1)
-    return TreeProposal(
-        tree=trie(root_B, jnp.concatenate([own_BPK, store_BQK], axis=1),
-                  jnp.concatenate([own_BP, store_BQ], axis=1), num_nodes),
-        state=state)
+    return (jnp.concatenate([own_BPK, store_BQK], axis=1),
+            jnp.concatenate([own_BP, store_BQ], axis=1))

@@ -17,13 +17,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax.drafters.base import Proposal, Stateless, TreeProposal
+from specjax.drafters.base import Proposal, TableTrie
 from specjax.rows import at_rows
-from specjax.tree import trie
 
 
 @dataclasses.dataclass(frozen=True)
-class NGramDrafter(Stateless):
+class NGramDrafter(TableTrie):
   """Attributes:
     n_max, n_min: the suffix lengths looked up, longest first.
     num_paths: continuations merged into the trie ``propose_tree`` drafts.
@@ -81,18 +80,10 @@ class NGramDrafter(Stateless):
     return Proposal(tokens=drafts_BK, probs=None, num_draft=avail_BP[:, 0],
                     state=state)
 
-  def paths(self, tokens_BS, num_tokens_B, num_draft):
-    """``(tokens [B, P, K], lengths [B, P])``: what followed each of the
-    ``num_paths`` best matches, up to ``num_draft`` deep."""
+  def paths(self, params, tokens_BS, num_tokens_B, num_draft):
+    """What followed each of the ``num_paths`` best matches, up to
+    ``num_draft`` deep: ``(tokens [B, P, K], lengths [B, P])``; its trie is
+    ``propose_tree`` (``TableTrie``)."""
+    del params
     return self._continuations(tokens_BS, num_tokens_B, self.num_paths,
                                num_draft)
-
-  def propose_tree(self, params, state, tokens_BS, num_tokens_B, key,
-                   num_draft, num_nodes, sampling) -> TreeProposal:
-    """A trie of the ``num_paths`` best continuations (``paths``), cut
-    breadth first to ``num_nodes`` drafted nodes."""
-    del params, key, sampling
-    cont_BPK, avail_BP = self.paths(tokens_BS, num_tokens_B, num_draft)
-    root_B = at_rows(tokens_BS, num_tokens_B - 1)
-    return TreeProposal(tree=trie(root_B, cont_BPK, avail_BP, num_nodes),
-                        state=state)

@@ -37,9 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax.drafters.base import Proposal, Stateless, TreeProposal
-from specjax.rows import at_rows
-from specjax.tree import trie
+from specjax.drafters.base import Proposal, TableTrie
 
 # Bump when the hash or the table layout changes: old caches become misses.
 _FORMAT_VERSION = 1
@@ -307,7 +305,7 @@ def sharegpt_datastore(tokenizer, *,
 
 
 @dataclasses.dataclass(frozen=True)
-class RetrievalDrafter(Stateless):
+class RetrievalDrafter(TableTrie):
   """Drafts by chained longest-suffix lookups in a ``Datastore``.
 
   Attributes:
@@ -392,24 +390,13 @@ class RetrievalDrafter(Stateless):
     return Proposal(tokens=drafts_BK, probs=None, num_draft=num_B,
                     state=state)
 
-  def propose_tree(self, params: Datastore, state, tokens_BS, num_tokens_B,
-                   key, num_draft, num_nodes, sampling) -> TreeProposal:
-    """A trie of the continuations each suffix order proposes (``paths``),
-    cut breadth first to ``num_nodes`` drafted nodes. Orders that agree
-    share one path."""
-    del key, sampling
-    paths_BPK, lengths_BP = self.paths(params, tokens_BS, num_tokens_B,
-                                       num_draft)
-    root_B = at_rows(tokens_BS, num_tokens_B - 1)
-    return TreeProposal(tree=trie(root_B, paths_BPK, lengths_BP, num_nodes),
-                        state=state)
-
   def paths(self, params: Datastore, tokens_BS, num_tokens_B, num_draft):
     """``(tokens [B, P, K], lengths [B, P])``: path p starts with the token
     stored for the (p+1)-th longest suffix (the chain's first draft for p =
     0, then the shorter contexts' alternatives) and continues as the chain
     does, up to ``num_draft`` deep; an order that missed gives an empty
-    path."""
+    path. Their trie is ``propose_tree`` (``TableTrie``): orders that agree
+    share one path."""
     B, K = tokens_BS.shape[0], num_draft
     table = self._table(params)
     window_BN = self._window(tokens_BS, num_tokens_B)
