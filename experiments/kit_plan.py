@@ -36,6 +36,7 @@ DEVICE_S = dict(
     load=15,  # the target's GGUF, the data
     warmup=20,  # 3 steps of the real run: trace + persistent-cache hits
     score=40,  # held-out scoring at K = 7 (cached compiles), export, writes
+    decode=150,  # AR vs EAGLE-3 chain and trees, bf16, batch 1 and 8
     give_back=10,
 )
 
@@ -112,7 +113,8 @@ def time_plan(parts: list[int], tree: int, costs: dict = DEVICE_S) -> dict:
     rows.append(dict(n=c.n, role=c.role, carried_mib=round(carried / MIB, 1),
                      seconds=round(s, 1)))
     spent += s
-  fixed = sum(costs[k] for k in ("unpack", "load", "warmup", "score"))
+  fixed = sum(costs[k] for k in ("unpack", "load", "warmup", "score",
+                                  "decode"))
   left = LEASE_S - SPARE_S - spent - costs["give_back"] - fixed
   train_s = max(min(left, COMMAND_S - TIMEOUT_MARGIN_S - fixed), 0.0)
   if train_s < MIN_TRAIN_S:

@@ -3,7 +3,8 @@ initializations, at step 0 and after N training steps of the same recipe.
 
   .venv/bin/python experiments/warm_start.py --steps 0 \
       --json experiments/results/warm_start.jsonl
-  .venv/bin/python experiments/warm_start.py --steps 1000 --workdir runs/warm
+  .venv/bin/python experiments/warm_start.py --steps 1000 --workdir runs/warm \
+      --config experiments/eagle3_smollm2_cached.py --inits target,random
 
 ``random``: today's init (normal(0.02) layer, LM head and final norm from the
 target); ``target``: ``init_layer=target`` (the layer starts as the target
@@ -11,7 +12,9 @@ layer the high tap feeds, ``training.train.warm_layer``). Held-out top-1
 agreement per TTT step (``evaluate.heldout_accuracy``, 7 steps) on the
 recipe's held-out conversations; α₀ is step 0's. With ``--steps N`` each
 init trains the first N steps of ``--config``'s schedule in
-``WORKDIR/<init>`` (resumable: a rerun goes on from the newest checkpoint). One JSON line per (init, step).
+``WORKDIR/<init>`` (resumable: a rerun goes on from the newest checkpoint;
+with a cached recipe the inits share the first one's feature cache). One
+JSON line per (init, step).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ def main(argv=None):
   ap.add_argument("--steps", type=int, default=0)
   ap.add_argument("--workdir", default="runs/warm_start")
   ap.add_argument("--json", default=None)
+  ap.add_argument("--inits", default="random,target",
+                  help="which initializations, in this order")
   args = ap.parse_args(argv)
 
   from experiments.common import machine
@@ -45,10 +50,14 @@ def main(argv=None):
   model = load_model(base.model)
   examples = edata.sharegpt_examples(model.tokenizer, base.num_conversations,
                                      base.max_len)
-  for init in ("random", "target"):
+  inits = args.inits.split(",")
+  for init in inits:
     cfg = dataclasses.replace(base, init_layer=init)
     if args.steps:  # the recipe's schedule, stopped after N steps
-      run = train.train(cfg, str(pathlib.Path(args.workdir) / init),
+      work = pathlib.Path(args.workdir) / init
+      if base.feature_cache:  # one feature cache for all inits
+        _share_features(pathlib.Path(args.workdir) / inits[0], work)
+      run = train.train(cfg, str(work),
                         model=model, examples=examples,
                         stop_after=args.steps)
       s, params = run.setup, run.params
@@ -63,6 +72,15 @@ def main(argv=None):
     if args.json:
       with open(args.json, "a", encoding="utf-8") as f:
         f.write(json.dumps(rec) + "\n")
+
+
+def _share_features(first: pathlib.Path, work: pathlib.Path) -> None:
+  """Points ``work/features`` at ``first/features``: the cache's fingerprint
+  does not depend on the head's initialization."""
+  (first / "features").mkdir(parents=True, exist_ok=True)
+  if work != first and not (work / "features").exists():
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "features").symlink_to((first / "features").absolute())
 
 
 if __name__ == "__main__":

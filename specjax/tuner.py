@@ -255,7 +255,8 @@ def recommend(workload: Workload, costs: CostCurve, methods=None,
               layers: Optional[int] = None) -> Recommendation:
   """Scores every measured (method, K ≤ K_MAX) and picks the fastest."""
   layers = layers or max(1, round(0.8 * costs.num_layers))
-  methods = methods or ("ngram", "retrieval", "layerskip", "eagle3")
+  methods = methods or ("ngram", "retrieval", "ngram+retrieval", "layerskip",
+                        "eagle3")
   ar_ms = costs.ar_step * 1e3
   reasoning = [f"AR step at batch {workload.batch_size}: {ar_ms:.1f} ms; a "
                f"verify over K+1 tokens costs v(K) = "

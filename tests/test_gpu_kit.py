@@ -263,8 +263,10 @@ def test_pip_download_asks_for_the_device_python(monkeypatch, tmp_path):
 def test_last_call_sizes_the_run_and_compares_decoding(tmp_path):
   """Invariants: the last call sizes the run so that training ends where
   scoring and writes still fit (steps x the slower of the probe's and its
-  own step time fills the time left), and the bf16 decode comparison
-  reports AR and EAGLE-3 at each batch with their outputs compared."""
+  own step time fills the time left, before the decode's reserved time),
+  and the bf16 decode comparison reports AR and every EAGLE-3 chain and tree
+  at each batch with their outputs compared, written as each batch ends and
+  starting nothing past its deadline."""
   import dataclasses
   import time
   from tests.test_eagle_train import CFG, _examples, make_tiny_model
@@ -276,17 +278,25 @@ def test_last_call_sizes_the_run_and_compares_decoding(tmp_path):
                model=model, examples=ex, progress=False)
   (tmp_path / "plan.json").write_text(json.dumps(dict(
       times={"2": dict(step_s=0.5, compile_s=1.0)}, score_s=5.0)))
-  end = time.time() + 120
+  end = time.time() + 120 + kit_device.DECODE_S
   sized, plan = kit_device.size_run(cfg, model, ex, tmp_path, end, 3)
   left = plan["train_until"] - time.time()
   assert plan["probe"] and plan["score_s"] == 5.0
-  assert plan["train_until"] == pytest.approx(end - 5.0 - kit_device.WRITE_S)
+  assert plan["train_until"] == pytest.approx(
+      end - 5.0 - kit_device.WRITE_S - kit_device.DECODE_S)
   assert sized.steps == plan["steps"] >= 1
   assert plan["times"][2]["step_s"] == 0.5  # the slower of the two
   assert (sized.steps - 1) * 0.5 <= left + 1 and sized.steps * 0.5 >= left - 1
-  out = kit_device.decode_bench(model, str(tmp_path / "h" / "head.npz"), ex,
-                                new_tokens=4, repeats=1, batches=(2,))
+  head = str(tmp_path / "h" / "head.npz")
+  out = kit_device.decode_bench(model, head, ex, new_tokens=4, repeats=1,
+                                batches=(2,), out=tmp_path / "decode.json")
   (row,) = out["rows"]
+  assert json.loads((tmp_path / "decode.json").read_text()) == out
   assert row["batch"] == 2 and row["dtype"] == "bfloat16"
-  assert row["ar_tok_s"] > 0 and row["eagle3_tok_s"] > 0
-  assert len(row["greedy_equal"]) == 2 and row["tau"] >= 1.0
+  assert row["ar_tok_s"] > 0
+  for name, _ in kit_device.DECODE_SPECS:
+    assert row[name]["tok_s"] > 0 and row[name]["tau"] >= 1.0
+    assert len(row[name]["greedy_equal"]) == 2
+  late = kit_device.decode_bench(model, head, ex, new_tokens=4, repeats=1,
+                                 batches=(2,), until=time.time())
+  assert late["rows"] == []

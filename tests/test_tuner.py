@@ -72,6 +72,16 @@ def test_steps_without_drafts_cost_one_token_forward(priors, monkeypatch):
   assert always.options[0].speedup < opt.speedup
 
 
+def test_scores_every_table_drafter_by_default(priors):
+  """Invariant: without ``methods`` the tuner scores each measured drafter,
+  the n-gram-then-retrieval lookup included, at its own α."""
+  priors[("ngram+retrieval", "chat")] = {0.0: 0.6}
+  rec = tuner.recommend(tuner.Workload(), FLAT)
+  by = {o.method: o for o in rec.options}
+  assert set(by) == {"ngram", "ngram+retrieval", "layerskip"}
+  assert by["ngram+retrieval"].alpha == pytest.approx(0.6)
+
+
 def test_falls_back_to_ar_where_speculation_cannot_pay(priors):
   """Invariant: when every verify token costs a forward, low α cannot
   pay for it and the tuner says AR, with the reason."""
