@@ -12,6 +12,13 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # programs (the same model forward under a new closure, a CLI subprocess, the
 # other xdist worker). A compilation cache shared by all of them, through the
 # environment for subprocesses, compiles each program once per machine.
+# XLA's own code at LLVM -O0 compiles in about half the time; the tests'
+# programs are small or spend their time in the native kernels (built
+# separately), so they run about as fast. Set here, before the backend
+# starts, and inherited by subprocesses; XLA_FLAGS given already wins.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_backend_optimization_level=0").strip()
 _CACHE = pathlib.Path(__file__).parents[1] / ".pytest_cache" / "jax-compilation"
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")

@@ -43,6 +43,24 @@ def _main(capsys, *args):
 
 GEN = ("generate", "--max-new-tokens", "4")
 
+_LOADED = {}  # (model, mesh, dtype) -> model, shared by this module's tests
+
+
+@pytest.fixture(autouse=True)
+def _load_each_model_once(monkeypatch):
+  """The in-process CLI loads (and packs) each model once for the module:
+  the cases here check arguments, not loading, which a failing name still
+  reaches (errors are not kept)."""
+  from specjax import cli
+  real = cli._load
+
+  def load(name, mesh_spec=None, dtype=None):
+    key = (name, mesh_spec, dtype)
+    if key not in _LOADED:
+      _LOADED[key] = real(name, mesh_spec, dtype)
+    return _LOADED[key]
+  monkeypatch.setattr(cli, "_load", load)
+
 
 @pytest.mark.parametrize("args,needles", [
     ((*GEN, "--prompt", "   "), ["empty prompt"]),

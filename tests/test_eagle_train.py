@@ -98,6 +98,7 @@ def test_deadline_stops_with_a_checkpoint_and_resumes(tiny_model, tmp_path):
   assert steps == [1, 2, 3, 4, 5, 6]
 
 
+@pytest.mark.long
 def test_init_head_continues_from_an_exported_head(tiny_model, tmp_path):
   """Invariants: a run started from an exported head begins at that head's
   (bf16-stored) parameters and draft vocabulary, whatever its own Vd
@@ -128,6 +129,7 @@ def test_init_head_continues_from_an_exported_head(tiny_model, tmp_path):
                  examples=ex, progress=False)
 
 
+@pytest.mark.long
 def test_feature_cache_equals_on_the_fly_and_resumes(tiny_model, tmp_path):
   """Invariants: (1) a float32 cache gives the batch the target gives on
   the fly (argmax-in-Vd equal; taps, and Vd logits recomputed from the

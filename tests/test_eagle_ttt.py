@@ -284,6 +284,7 @@ def test_eagle_chain_drafting_greedy_identity(tmp_path, variant):
 SHAPE_2X2X1 = (0, 0, 0, 1, 1, 2, 2, 3, 4, 5, 6)  # tree.parse_shape("2x2x1")
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("variant", ["eagle3", "eagle1"])
 def test_static_trees_match_dynamic_and_chain_drafts(tmp_path, variant):
   """Invariants, on a tiny target with an untrained head after a ragged
@@ -409,6 +410,7 @@ def test_leviathan_with_real_head_draft_probabilities(tmp_path):
   assert stat < crit, (stat, crit)
 
 
+@pytest.mark.long
 def test_warm_layer_starts_as_the_target_layer_the_high_tap_feeds(tmp_path):
   """Invariant (issue 18's warm start): with the high tap feeding the
   target's last layer, a warm-started EAGLE-3 head over a causal sequence

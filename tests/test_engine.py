@@ -111,7 +111,9 @@ def test_no_recompilation_within_bucket(tiny, monkeypatch):
   assert len(traces) == 2
 
 
-@pytest.mark.parametrize("drafter", [None, NGramDrafter()], ids=["ar", "ngram"])
+@pytest.mark.parametrize("drafter", [
+    None, pytest.param(NGramDrafter(), marks=pytest.mark.long)],
+    ids=["ar", "ngram"])
 def test_generate_inside_user_jit(tiny, drafter):
   """Invariant: a user function that calls engine.generate (AR or
   speculative) and scores its output compiles once, does not retrace on a

@@ -38,6 +38,7 @@ def _random_head(cfg=CFG, seed=0):
       for kk, x in zip(keys, leaves)])
 
 
+@pytest.mark.long
 def test_medusa_loss_scores_depth_k_against_token_t_plus_2_plus_k():
   """Invariant: depth k's loss is the soft CE of the head's distribution at
   position t (from the hidden state at t) against the target's distribution
@@ -83,6 +84,7 @@ def _tiny(tmp_path):
   return load_hf(tmp_path)
 
 
+@pytest.mark.long
 def test_medusa_drafts_each_depths_top_k(tmp_path):
   """Invariants after a ragged prefill on a tiny target: the head reads the
   target's last hidden state at the newest position the target ran (the

@@ -113,6 +113,9 @@ def test_missing_tensor_and_bad_arch_errors(tmp_path):
     load_hf(tmp_path)
 
 
+@pytest.mark.parametrize("tiny", [  # other architectures: the long stage
+    "llama_gqa_tied", pytest.param("llama3_rope_scaling", marks=pytest.mark.long),
+    pytest.param("qwen2_bias_untied", marks=pytest.mark.long)], indirect=True)
 def test_tree_mask_and_positions(tiny):
   """Invariant: with a tree mask and depth positions, each new token sees
   exactly its ancestors: on top of a cached prefix, siblings x1 and x2 (both

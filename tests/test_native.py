@@ -252,6 +252,7 @@ def _assert_close(a, b):
   np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max())
 
 
+@pytest.mark.long
 def test_packed_model_decodes_like_the_plain_one(tmp_path):
   """Invariants on a tiny random Llama: with every matmul and the LM head
   packed for the kernel (``pack_params``) the logits of a prefill and of a
@@ -297,7 +298,8 @@ def test_packed_smollm2_logits_equal_xla(smollm2):
     _assert_close(a, b)
 
 
-@pytest.mark.parametrize("variant", ["eagle3", "eagle1"])
+@pytest.mark.parametrize("variant", [
+    "eagle3", pytest.param("eagle1", marks=pytest.mark.long)])
 @pytest.mark.parametrize("in_bf16", [False, True])
 def test_packed_head_equals_plain(variant, in_bf16):
   """Invariant: an EAGLE head whose dense kernels are packed for the kernel

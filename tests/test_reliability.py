@@ -83,6 +83,7 @@ def test_nonfinite_logits_stop_the_row_where_ar_would(tiny, method):
     assert out[b] == clean[b] and why[b] == "length"
 
 
+@pytest.mark.long
 def test_a_rows_output_does_not_depend_on_its_batch(tiny):
   """Invariant: row 0's output (greedy, and sampled with a fixed seed at
   the same batch index) is the same whatever the other rows are —

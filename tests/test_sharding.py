@@ -20,7 +20,8 @@ def _worker(*flags) -> dict:
   """tests/sharding_worker.py on 8 forced host devices (own process: the
   device count is fixed when JAX starts)."""
   env = dict(os.environ,
-             XLA_FLAGS="--xla_force_host_platform_device_count=8")
+             XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
+             + " --xla_force_host_platform_device_count=8")
   proc = subprocess.run([sys.executable, "-m", "tests.sharding_worker",
                          *flags], cwd=ROOT, env=env, capture_output=True,
                         text=True, timeout=900)
@@ -154,7 +155,8 @@ def test_two_processes_decode_on_one_global_mesh():
   both get exactly their own one-device output: AR and EAGLE-3, T = 0 and
   T = 1 (top-p 0.9)."""
   env = dict(os.environ,
-             XLA_FLAGS="--xla_force_host_platform_device_count=4")
+             XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
+             + " --xla_force_host_platform_device_count=4")
   port = str(_free_port())
   procs = [subprocess.Popen(
       [sys.executable, "-m", "tests.sharding_worker", "--multihost", port,

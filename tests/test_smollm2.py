@@ -39,6 +39,7 @@ def test_prefill_logits_match_transformers(smollm2, hf_model):
   np.testing.assert_array_equal(ours.argmax(-1), ref.argmax(-1))
 
 
+@pytest.mark.long
 def test_greedy_matches_transformers_ragged_batch(smollm2, hf_model):
   """Invariant: specjax greedy decoding of 4 chat prompts of different lengths,
   batched in one call, equals transformers' greedy output for each prompt
@@ -106,12 +107,19 @@ def ar_rows(smollm2):
   return prompts, runner.generate_ids(smollm2, prompts, max_new_tokens=40)
 
 
-@pytest.mark.parametrize("method", ["ngram", "ngram_tree",
-                                    "layerskip_dynamic_k",
-                                    "retrieval", "retrieval_tree",
-                                    "eagle3_untrained", "medusa_shipped_tree",
-                                    "eagle3_shipped_dynamic_k",
-                                    "eagle3_shipped_tree"])
+# The first stage keeps a chain and an EAGLE-2 tree; the long stage the rest.
+_LONG = pytest.mark.long
+
+
+@pytest.mark.parametrize("method", [
+    "ngram", pytest.param("ngram_tree", marks=_LONG),
+    pytest.param("layerskip_dynamic_k", marks=_LONG),
+    pytest.param("retrieval", marks=_LONG),
+    pytest.param("retrieval_tree", marks=_LONG),
+    pytest.param("eagle3_untrained", marks=_LONG),
+    pytest.param("medusa_shipped_tree", marks=_LONG),
+    pytest.param("eagle3_shipped_dynamic_k", marks=_LONG),
+    "eagle3_shipped_tree"])
 def test_speculative_greedy_identity(smollm2, ar_rows, method,
                                      tmp_path_factory):
   """Invariant: at T = 0, speculative decoding of a ragged batch of 4 chat
@@ -141,6 +149,7 @@ def test_speculative_greedy_identity(smollm2, ar_rows, method,
     assert 0 < spec.num_wide_steps < spec.num_steps
 
 
+@pytest.mark.long
 def test_greedy_identical_on_xla_dot(smollm2, ar_rows):
   """Invariants: the shared fixture decodes on the native CPU matmul
   (``load_model``'s default on the CPU), and the same model on XLA's dot

@@ -162,6 +162,7 @@ def test_tree_is_sized_by_the_verify_curve(monkeypatch):
     assert opt.speedup == pytest.approx(curve.ar_step * e / step)
 
 
+@pytest.mark.long
 def test_measure_costs_times_the_tree_widths(tmp_path):
   """Invariant: the measured curve has every chain width 1..K_MAX + 1 and
   the tree widths, all positive, on a tiny model."""
