@@ -5,7 +5,8 @@
       experiments/results/bench_tries_medusa_mtbench80_t0.jsonl ... \
       --png-dir docs/figures
 
-Prints a markdown table (one line per row: method and knobs, head, dataset,
+Prints a markdown table (the newest row of each method and knobs, head,
+dataset and T, files given oldest first: method and knobs, head, dataset,
 T, τ, tokens/s against the same run's AR, speedup, predicted speedup, greedy
 = AR, git sha, file) sorted by dataset then speedup, and writes three PNGs:
 ``speedup.png`` (each row's speedup over its own run's AR, grouped by
@@ -48,6 +49,16 @@ def load(paths) -> list[dict]:
       if line.strip():
         rows.append({**json.loads(line), "file": pathlib.Path(path).name})
   return rows
+
+
+def newest(rows) -> list[dict]:
+  """One row per method, knobs, head, dataset and temperature: the last
+  one in the order given (files oldest first)."""
+  keep = {}
+  for r in rows:
+    keep[label(r), r.get("head_id"), r["dataset"], r["num_prompts"],
+         r["temperature"]] = r
+  return list(keep.values())
 
 
 def table(rows) -> str:
@@ -174,7 +185,7 @@ def main(argv=None):
                   help="bench_peers.py result files")
   ap.add_argument("--png-dir", default=None)
   args = ap.parse_args(argv)
-  rows = load(args.files)
+  rows = newest(load(args.files))
   print(table(rows))
   peers = load(args.peers)
   if peers:

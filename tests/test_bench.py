@@ -106,3 +106,23 @@ def test_head_id_names_the_head_file_and_its_digest(tmp_path):
   assert methods.head_id("smollm2-135m", methods.MethodSpec("ngram")) is None
   with pytest.raises(methods.MethodError, match="no eagle head ships"):
     methods.head_id("smollm2-135m", methods.MethodSpec("eagle"))
+
+
+def test_results_summary_keeps_the_newest_row_of_each_method():
+  """Invariant: the at-a-glance table keeps, per method and knobs, head,
+  dataset and temperature, the row of the last file given; other knobs,
+  datasets and temperatures stay apart."""
+  from experiments.results_summary import newest
+  def row(file, k, dataset="mtbench", t=0.0, nodes=0):
+    return dict(method="ngram", num_draft=k, tree_nodes=nodes, config={},
+                dataset=dataset, num_prompts=80, temperature=t, file=file)
+  rows = [row("old", 5), row("old", 5, t=1.0), row("old", 5, "humaneval"),
+          row("old", 5, nodes=8), row("new", 5), row("new", 4)]
+  out = newest(rows)
+  assert len(out) == 5
+  kept = {(r["num_draft"], r["tree_nodes"], r["dataset"], r["temperature"]):
+          r["file"] for r in out}
+  assert kept == {(5, 0, "mtbench", 0.0): "new", (4, 0, "mtbench", 0.0): "new",
+                  (5, 0, "mtbench", 1.0): "old",
+                  (5, 0, "humaneval", 0.0): "old",
+                  (5, 8, "mtbench", 0.0): "old"}
