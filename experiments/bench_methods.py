@@ -25,7 +25,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 _KEYS = {"k": ("num_draft", int), "conf": ("min_confidence", float),
          "nodes": ("tree_nodes", int), "width": ("tree_width", int),
          "layers": ("layers", int), "head": ("head", str),
-         "shape": ("tree_shape", str)}
+         "shape": ("tree_shape", str), "lookup": ("lookup_nodes", int)}
 
 
 def parse_spec(text: str):

@@ -37,6 +37,8 @@ def label(row: dict) -> str:
     parts = [row["method"], f"shape={c['tree_shape']}"]
   elif row.get("tree_nodes"):
     parts.append(f"nodes={row['tree_nodes']}")
+  if c.get("lookup_nodes"):
+    parts.append(f"lookup={c['lookup_nodes']}")
   if c.get("min_confidence"):
     parts.append(f"conf={c['min_confidence']}")
   return ":".join(parts)

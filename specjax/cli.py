@@ -127,6 +127,11 @@ def _add_model_args(p, several: bool = False):
                  "instead of a dynamic one), as children per depth (2x2x1) "
                  "or rank paths (0,1,0.0; `specjax tune` proposes one); sets "
                  "--tree-nodes and --num-draft")
+  p.add_argument("--lookup-nodes", type=int, default=0,
+                 help="eagle, eagle3, medusa trees: merge this many nodes of "
+                 "the n-gram/retrieval trie into the head's tree (counted in "
+                 "--tree-nodes; with --tree-shape, added to its nodes, and "
+                 "--num-draft bounds the trie's depth)")
   p.add_argument("--layers", type=int, default=None,
                  help="layer-skip: target layers the drafter runs "
                  "(default 80%% of them)")
@@ -178,7 +183,7 @@ def _method_specs(args) -> list:
       specs.append(MethodSpec(
           name=name, num_draft=args.num_draft, tree_nodes=args.tree_nodes,
           tree_width=args.tree_width, tree_shape=args.tree_shape,
-          layers=args.layers, min_confidence=args.min_confidence,
+          lookup_nodes=args.lookup_nodes, layers=args.layers, min_confidence=args.min_confidence,
           draft_model=args.draft_model, head=args.head))
     except ValueError as e:
       raise UsageError(str(e)) from None

@@ -49,6 +49,11 @@ class MethodSpec:
       or EAGLE's top-k per expanded node and nodes expanded per level.
     tree_shape: EAGLE and Medusa heads: a static tree (``tree.parse_shape``:
       ``"2x2x1"`` or rank paths); it sets ``tree_nodes`` and ``num_draft``.
+    lookup_nodes: EAGLE and Medusa trees: this many of the ``tree_nodes``
+      come from the n-gram-then-retrieval trie ("ngram+retrieval"), merged
+      with the head's tree (``drafters.union``); with a ``tree_shape`` they
+      come on top of its nodes, and ``num_draft`` (at least the shape's
+      depth) bounds the trie's.
   """
   name: str = "ar"
   num_draft: int = 4
@@ -60,6 +65,7 @@ class MethodSpec:
   tree_nodes: int = 0
   tree_width: int = 4
   tree_shape: str = ""
+  lookup_nodes: int = 0
 
   def __post_init__(self):
     if self.tree_shape:  # the shape fixes the node count and the depth
@@ -68,8 +74,10 @@ class MethodSpec:
         shape = tree.Shape(tree.parse_shape(self.tree_shape))
       except ValueError as e:
         raise MethodError(str(e)) from None
-      object.__setattr__(self, "tree_nodes", shape.num_nodes)
-      object.__setattr__(self, "num_draft", shape.max_depth)
+      object.__setattr__(self, "tree_nodes",
+                         shape.num_nodes + max(self.lookup_nodes, 0))
+      object.__setattr__(self, "num_draft", max(
+          shape.max_depth, self.num_draft if self.lookup_nodes > 0 else 0))
 
   @property
   def k(self) -> int:
@@ -80,7 +88,8 @@ class MethodSpec:
       return self.name
     tree = (f", tree {self.tree_shape}" if self.tree_shape else
             f", tree {self.tree_nodes}" if self.tree_nodes else "")
-    return f"{self.name}(K={self.k}{tree})"
+    lookup = f", lookup {self.lookup_nodes}" if self.lookup_nodes else ""
+    return f"{self.name}(K={self.k}{tree}{lookup})"
 
 
 def default_layers(model: Model) -> int:
@@ -94,7 +103,11 @@ def build(model: Model, spec: MethodSpec) -> tuple[Any, Any]:
     raise MethodError(f"--tree-nodes must be >= 0, got {spec.tree_nodes}")
   if spec.tree_width < 1:
     raise MethodError(f"--tree-width must be >= 1, got {spec.tree_width}")
+  if spec.lookup_nodes:
+    _check_lookup(spec)
   built = _build(model, spec)
+  if spec.lookup_nodes:
+    built = _with_lookup(model, spec, built)
   if spec.tree_shape and spec.name not in HEADS:
     raise MethodError(f"--tree-shape is for EAGLE and Medusa heads (eagle, "
                       f"eagle3, medusa), not {spec.name}")
@@ -108,6 +121,29 @@ def build(model: Model, spec: MethodSpec) -> tuple[Any, Any]:
                         f"(--tree-nodes) work with: ngram, retrieval, "
                         f"ngram+retrieval, eagle, eagle3, medusa")
   return built
+
+
+def _check_lookup(spec: MethodSpec) -> None:
+  if spec.lookup_nodes < 0:
+    raise MethodError(f"--lookup-nodes must be >= 0, got {spec.lookup_nodes}")
+  if spec.name not in HEADS:
+    raise MethodError(f"--lookup-nodes merges the n-gram/retrieval trie into "
+                      f"a head's tree (eagle, eagle3, medusa), not "
+                      f"{spec.name}'s; for the trie alone use --method "
+                      "ngram+retrieval")
+  if spec.tree_nodes <= spec.lookup_nodes:
+    raise MethodError(f"--lookup-nodes {spec.lookup_nodes} must leave the "
+                      f"head some of the tree's nodes (--tree-nodes "
+                      f"{spec.tree_nodes} counts both)")
+
+
+def _with_lookup(model: Model, spec: MethodSpec, built):
+  """The head's drafter and params, its trees merged with the lookup trie."""
+  from specjax.drafters import LookupDrafter, NGramDrafter
+  from specjax.drafters.union import TreeUnion, UnionParams
+  table = LookupDrafter(ngram=NGramDrafter(num_paths=spec.tree_width))
+  return (TreeUnion(built[0], table, spec.lookup_nodes),
+          UnionParams(head=built[1], table=_datastore(model, spec)))
 
 
 def _build(model: Model, spec: MethodSpec) -> tuple[Any, Any]:

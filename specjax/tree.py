@@ -253,6 +253,32 @@ def trie(root_B: jax.Array, paths_BPK: jax.Array, lengths_BP: jax.Array,
       valid=jnp.concatenate([jnp.ones((B, 1), bool), valid_BM], axis=1))
 
 
+def node_paths(tree: Tree, max_depth: int) -> tuple[jax.Array, jax.Array]:
+  """Every drafted node's root path: ``(tokens [B, M - 1, max_depth],
+  lengths [B, M - 1])``; path m is the tokens of node m + 1's ancestors
+  below the root and its own, by depth (length 0 for an invalid node).
+  ``trie`` of these paths is the tree again."""
+  anc_BMM = ancestors(tree.parents, tree.valid)
+  depth_BM = depths(anc_BMM)
+  at_BMKM = anc_BMM[:, :, None, :] & (
+      depth_BM[:, None, None, :] == 1 + jnp.arange(max_depth)[None, None, :,
+                                                              None])
+  tokens_BMK = jnp.sum(jnp.where(at_BMKM, tree.tokens[:, None, None, :], 0),
+                       axis=-1)
+  return tokens_BMK[:, 1:], jnp.where(tree.valid, depth_BM, 0)[:, 1:]
+
+
+def union(first: Tree, second: Tree, max_depth: int) -> Tree:
+  """One tree holding both trees' nodes (same roots), a path the two share
+  once: the trie of their node paths, ``first``'s before ``second``'s at
+  each depth. It has ``M = N1 + N2 + 1`` nodes, padded with invalid ones
+  where the trees overlap, so nothing is cut."""
+  (p1, n1), (p2, n2) = (node_paths(t, max_depth) for t in (first, second))
+  num_nodes = p1.shape[1] + p2.shape[1]
+  return trie(first.tokens[:, 0], jnp.concatenate([p1, p2], axis=1),
+              jnp.concatenate([n1, n2], axis=1), num_nodes)
+
+
 def select(root_B: jax.Array, tokens_BC: jax.Array, scores_BC: jax.Array,
            parents_BC: jax.Array, num_nodes: int) -> Tree:
   """The tree of the ``num_nodes`` best-scoring candidates (EAGLE-2's

@@ -67,6 +67,27 @@ def test_ngram_retrieval_builds_both_tables(smollm2, tmp_path, monkeypatch):
   assert drafter.ngram.num_paths == 3
 
 
+def test_lookup_nodes_merge_the_trie_into_a_head_tree(smollm2, tmp_path,
+                                                     monkeypatch):
+  """Invariants: ``lookup_nodes`` wraps the head's drafter in a
+  ``TreeUnion`` with the n-gram/retrieval trie (params: the head's and the
+  datastore), counts within ``tree_nodes`` (added to a static shape's), and
+  shows in the label."""
+  from specjax.drafters import Datastore, EagleDrafter, LookupDrafter
+  from specjax.drafters.union import TreeUnion
+  monkeypatch.setenv("HOME", str(tmp_path))  # the datastore cache
+  spec = methods.MethodSpec("eagle3", tree_shape="2x2", lookup_nodes=5,
+                            datastore_conversations=20)
+  assert (spec.tree_nodes, spec.k) == (11, 4)  # K: the trie's depth
+  assert spec.label() == "eagle3(K=4, tree 2x2, lookup 5)"
+  drafter, params = methods.build(smollm2, spec)
+  assert isinstance(drafter, TreeUnion) and drafter.table_nodes == 5
+  assert isinstance(drafter.head, EagleDrafter)
+  assert isinstance(drafter.table, LookupDrafter)
+  assert isinstance(params.table, Datastore)
+  assert drafter.feature_taps == drafter.head.feature_taps
+
+
 def test_decoding_does_not_import_training():
   """Invariant: everything a decode with a trained head imports (the CLI,
   methods, engine, runner, every drafter with EAGLE's, the heads and their
@@ -78,6 +99,7 @@ def test_decoding_does_not_import_training():
       "import sys\n"
       "import specjax, specjax.cli, specjax.methods, specjax.engine, "
       "specjax.runner, specjax.drafters, specjax.drafters.eagle, "
+      "specjax.drafters.union, "
       "specjax.heads.eagle, specjax.heads.export, specjax.heads.vocab\n"
       "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
       "('optax', 'orbax') or m.startswith('specjax.training'))\n"

@@ -204,6 +204,38 @@ def test_greedy_retrieval_equals_ar(tiny, tree_nodes, drafter):
   assert int(st.num_steps) < int(ar_state.num_steps)
 
 
+def test_head_tree_with_the_lookup_trie_equals_ar(tiny):
+  """Invariants at T = 0 on a ragged batch, for an untrained EAGLE-3 head's
+  dynamic tree with the n-gram/retrieval trie merged in (``TreeUnion``): the
+  output equals AR token for token (the head's state follows paths that ran
+  through the table's nodes), and with a datastore of the AR continuations
+  the table's nodes are accepted where the head's are not: fewer steps than
+  the head's tree alone, which a union that dropped the trie would not
+  take."""
+  from specjax.drafters.eagle import EagleDrafter, EagleParams
+  from specjax.drafters.union import TreeUnion, UnionParams
+  from specjax.heads.eagle import HeadConfig
+  from specjax.heads.vocab import build_draft_vocab
+  from specjax.training.train import init_head
+  cfg, params = tiny
+  ar, _ = _run(params, cfg, engine.DecodeConfig(capacity=64))
+  ds = jax.device_put(build_datastore([p + o for p, o in zip(PROMPTS, ar)],
+                                      num_slots=1024))
+  V = cfg.vocab_size
+  hcfg = HeadConfig.for_target(cfg, V, taps=(0, 1, 2))
+  vocab = build_draft_vocab([np.arange(V)], V, V)
+  head = EagleParams(head=init_head(jax.random.key(0), hcfg, params, vocab),
+                     draft_ids=jnp.asarray(vocab.ids), embed=params.embed)
+  eagle = EagleDrafter(hcfg, tree_width=2)
+  alone, st_alone = _run(params, cfg, engine.DecodeConfig(
+      capacity=64, drafter=eagle, num_draft=3, tree_nodes=4), head)
+  both, st = _run(params, cfg, engine.DecodeConfig(
+      capacity=64, drafter=TreeUnion(eagle, LookupDrafter(), 4), num_draft=3,
+      tree_nodes=8), UnionParams(head=head, table=ds))
+  assert alone == ar and both == ar
+  assert int(st.num_steps) < int(st_alone.num_steps)
+
+
 def _word_tokenizer():
   """A tiny word-level tokenizer, cheap to build, standing in for a real one."""
   words = ["<unk>", "<end>", "the", "a", "of", "to", "and", "is", "in", "you"]

@@ -41,6 +41,43 @@ def test_trie_shares_prefixes_and_cuts_breadth_first():
   assert bool(anc[0, 5, 1]) and not bool(anc[0, 5, 2])
 
 
+def _node_paths(t, b):
+  """Brute force: the set of row b's valid nodes' root paths."""
+  tok, par, val = (np.asarray(a[b]) for a in (t.tokens, t.parents, t.valid))
+  out = []
+  for m in range(1, len(tok)):
+    if val[m]:
+      path, j = [], m
+      while j:
+        path.append(int(tok[j]))
+        j = int(par[j])
+      out.append(tuple(path[::-1]))
+  return out
+
+
+def test_union_holds_each_path_of_both_trees_once():
+  """Invariants of ``tree.union`` on random tries with shared and distinct
+  paths, invalid nodes and different depths: its nodes' root paths are the
+  union of the two trees' (each once: siblings distinct), parents come
+  before children, and the size is N1 + N2 + 1 with the overlap invalid."""
+  rng = np.random.default_rng(1)
+  B, K = 3, 3
+  make = lambda P, n: trees.trie(
+      jnp.full((B,), 9), jnp.asarray(rng.integers(0, 3, (B, P, K))),
+      jnp.asarray(rng.integers(0, K + 1, (B, P))), n)
+  for _ in range(5):
+    a, b = make(3, 5), make(4, 6)
+    u = trees.union(a, b, K)
+    assert u.tokens.shape == (B, 12)
+    for r in range(B):
+      got = _node_paths(u, r)
+      assert len(got) == len(set(got))
+      assert set(got) == set(_node_paths(a, r)) | set(_node_paths(b, r))
+      par = np.asarray(u.parents[r])
+      assert all(par[m] < m for m in range(1, 12) if u.valid[r, m])
+    np.testing.assert_array_equal(u.tokens[:, 0], 9)
+
+
 def test_chain_is_a_tree_with_parents_before():
   t = trees.chain(jnp.asarray([4, 4]), jnp.asarray([[1, 2, 3], [1, 2, 3]]),
                   jnp.asarray([3, 1]))

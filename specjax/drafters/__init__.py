@@ -23,8 +23,8 @@ the target just ran (``[B, Tp, F]`` for the prompt at ``init``,
 ``[B, K + 1, F]`` for ``[newest token, drafts]`` at ``commit``; after a tree
 step, the accepted path's, in path order); otherwise ``features`` is None.
 
-A ``base.TreeDrafter`` (n-gram, retrieval, both together, EAGLE, Medusa)
-also has
+A ``base.TreeDrafter`` (n-gram, retrieval, both together, EAGLE, Medusa,
+and a head with the tables' trie merged in: ``union.TreeUnion``) also has
 
   propose_tree(params, drafter_state, tokens_BS, num_tokens_B, key,
                num_draft, num_nodes, sampling) -> TreeProposal
