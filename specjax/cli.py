@@ -183,8 +183,9 @@ def _method_specs(args) -> list:
       specs.append(MethodSpec(
           name=name, num_draft=args.num_draft, tree_nodes=args.tree_nodes,
           tree_width=args.tree_width, tree_shape=args.tree_shape,
-          lookup_nodes=args.lookup_nodes, layers=args.layers, min_confidence=args.min_confidence,
-          draft_model=args.draft_model, head=args.head))
+          lookup_nodes=args.lookup_nodes, layers=args.layers,
+          min_confidence=args.min_confidence, draft_model=args.draft_model,
+          head=args.head))
     except ValueError as e:
       raise UsageError(str(e)) from None
   return specs
