@@ -33,9 +33,10 @@ def label(row: dict) -> str:
   """A row's method and knobs as ``bench_methods`` specs read."""
   c = row.get("config", {})
   parts = [row["method"], f"k={row['num_draft']}"]
-  if c.get("tree_shape"):  # K is the shape's depth, or the trie's with lookup
-    parts = parts[:1 + bool(c.get("lookup_nodes"))] + [
-        f"shape={c['tree_shape']}"]
+  if c.get("tree_shape"):
+    if not c.get("lookup_nodes"):  # K is the shape's depth (else the trie's)
+      parts.pop()
+    parts.append(f"shape={c['tree_shape']}")
   elif row.get("tree_nodes"):
     parts.append(f"nodes={row['tree_nodes']}")
   if c.get("lookup_nodes"):

@@ -137,13 +137,20 @@ def _check_lookup(spec: MethodSpec) -> None:
                       f"{spec.tree_nodes} counts both)")
 
 
+def _lookup(model: Model, spec: MethodSpec):
+  """"ngram+retrieval": n-gram with ``tree_width`` matches, then the
+  datastore."""
+  from specjax.drafters import LookupDrafter, NGramDrafter
+  return (LookupDrafter(ngram=NGramDrafter(num_paths=spec.tree_width)),
+          _datastore(model, spec))
+
+
 def _with_lookup(model: Model, spec: MethodSpec, built):
   """The head's drafter and params, its trees merged with the lookup trie."""
-  from specjax.drafters import LookupDrafter, NGramDrafter
   from specjax.drafters.union import TreeUnion, UnionParams
-  table = LookupDrafter(ngram=NGramDrafter(num_paths=spec.tree_width))
+  table, store = _lookup(model, spec)
   return (TreeUnion(built[0], table, spec.lookup_nodes),
-          UnionParams(head=built[1], table=_datastore(model, spec)))
+          UnionParams(head=built[1], table=store))
 
 
 def _build(model: Model, spec: MethodSpec) -> tuple[Any, Any]:
@@ -170,9 +177,7 @@ def _build(model: Model, spec: MethodSpec) -> tuple[Any, Any]:
   if spec.name in HEADS:
     return _head(model, spec)
   if spec.name == "ngram+retrieval":
-    from specjax.drafters import LookupDrafter, NGramDrafter
-    return (LookupDrafter(ngram=NGramDrafter(num_paths=spec.tree_width)),
-            _datastore(model, spec))
+    return _lookup(model, spec)
   from specjax.drafters import RetrievalDrafter
   return RetrievalDrafter(), _datastore(model, spec)
 

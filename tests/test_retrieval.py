@@ -204,6 +204,7 @@ def test_greedy_retrieval_equals_ar(tiny, tree_nodes, drafter):
   assert int(st.num_steps) < int(ar_state.num_steps)
 
 
+@pytest.mark.long
 def test_head_tree_with_the_lookup_trie_equals_ar(tiny):
   """Invariants at T = 0 on a ragged batch, for an untrained EAGLE-3 head's
   dynamic tree with the n-gram/retrieval trie merged in (``TreeUnion``): the

@@ -93,6 +93,17 @@ def _drafter(smollm2, method, tmp_path_factory):
     drafter, dparams = methods.build(smollm2, methods.MethodSpec(
         "medusa", tree_shape="0,1,2,3,4,5,6,0.0"))
     return drafter, dparams, 2
+  if method == "eagle3_shipped_lookup_tree":  # 3 head nodes + 5 trie nodes
+    from specjax import methods
+    from specjax.drafters import LookupDrafter
+    from specjax.drafters.union import TreeUnion, UnionParams
+    head, hparams = methods.build(smollm2, methods.MethodSpec(
+        "eagle3", tree_shape="0,1,2"))
+    table = sharegpt_datastore(smollm2.tokenizer, num_conversations=300,
+                               cache_dir=tmp_path_factory.getbasetemp() / "ds",
+                               progress=False)
+    return (TreeUnion(head, LookupDrafter(), 5),
+            UnionParams(head=hparams, table=table), 4)
   if method in ("eagle3_shipped_dynamic_k", "eagle3_shipped_tree"):
     from specjax import methods
     drafter, dparams = methods.build(smollm2, methods.MethodSpec(
@@ -119,7 +130,8 @@ _LONG = pytest.mark.long
     pytest.param("eagle3_untrained", marks=_LONG),
     pytest.param("medusa_shipped_tree", marks=_LONG),
     pytest.param("eagle3_shipped_dynamic_k", marks=_LONG),
-    "eagle3_shipped_tree"])
+    "eagle3_shipped_tree",
+    pytest.param("eagle3_shipped_lookup_tree", marks=_LONG)])
 def test_speculative_greedy_identity(smollm2, ar_rows, method,
                                      tmp_path_factory):
   """Invariant: at T = 0, speculative decoding of a ragged batch of 4 chat
@@ -128,8 +140,9 @@ def test_speculative_greedy_identity(smollm2, ar_rows, method,
   untrained EAGLE-3 head (random layer, warm-started LM head) must still be
   exact; the shipped head with dynamic K drafts on some steps and scores the
   newest token alone on others; n-gram tries and EAGLE-2 trees of 8 nodes
-  run the tree step, and so do retrieval tries and the shipped Medusa
-  head's static tree over its depths' top-k.
+  run the tree step, and so do retrieval tries, the shipped Medusa
+  head's static tree over its depths' top-k, and the shipped EAGLE-3 head's
+  static 3-node tree with 5 nodes of the n-gram/retrieval trie merged in.
   (Layer-skip runs through the draft-model code path with dynamic K; the
   target as its own draft model is checked on the tiny model.)"""
   prompts, ar = ar_rows

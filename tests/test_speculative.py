@@ -307,8 +307,7 @@ def test_tree_logits_equal_each_path_run_alone(tiny):
   valid = jnp.ones((2, 8), bool)
   anc = trees.ancestors(parents, valid)
   out = forward(params, cfg, tokens, cache,
-                      positions_BT=trees.positions(cache.lengths, anc),
-                      mask_BTT=anc)
+                positions_BT=trees.positions(cache.lengths, anc), mask_BTT=anc)
   # Every node's root path as its own row, right-padded (the causal mask
   # keeps the padding out of the last real position): one plain forward.
   seqs = [prompts[b][:-1] + [int(tokens[b, j]) for j in
@@ -316,8 +315,8 @@ def test_tree_logits_equal_each_path_run_alone(tiny):
           for b in range(2) for m in range(8)]
   L = max(map(len, seqs))
   alone = forward(params, cfg, jnp.asarray([s + [0] * (L - len(s))
-                                                  for s in seqs]),
-                        llama.init_cache(cfg, len(seqs), 32)).logits
+                                            for s in seqs]),
+                  llama.init_cache(cfg, len(seqs), 32)).logits
   last = jnp.asarray([len(s) - 1 for s in seqs])
   np.testing.assert_allclose(out.logits.reshape(16, -1),
                              alone[jnp.arange(16), last], atol=1e-5)
