@@ -33,6 +33,7 @@ from specjax import assets, bucketing, engine, native  # noqa: E402
 from specjax.models import llama  # noqa: E402
 from specjax.models.registry import load_model  # noqa: E402
 from specjax.models.weights import num_params  # noqa: E402
+from specjax.models.decoder import Decoder
 
 NEW_TOKENS = 128
 
@@ -54,8 +55,8 @@ def main(argv=None):
 
   weight_bytes = num_params(params) * params.embed.dtype.itemsize
   if not args.xla and native.default_on(params.embed.dtype):
-    params = llama.pack_params(params)  # after counting the plain weights
-  matmul = "native" if llama.is_packed(params) else "xla"
+    params = decoder.pack_params(params)  # after counting the plain weights
+  matmul = "native" if decoder.is_packed(params) else "xla"
   buf = jnp.ones((weight_bytes // 4,), jnp.float32)
   read = jax.jit(jnp.sum)
 
@@ -65,7 +66,7 @@ def main(argv=None):
     dcfg = engine.DecodeConfig(
         capacity=bucketing.capacity_for(prompt_BT.shape[1], NEW_TOKENS))
     call = lambda n, p=prompt_BT, l=lengths, d=dcfg: engine.generate_jit(
-        params, p, l, jax.random.key(0), np.int32(n), model_cfg=cfg,
+        params, p, l, jax.random.key(0), np.int32(n), target=Decoder(cfg),
         dcfg=d).tokens
     call(1)  # compile (max_new_tokens is an array: one program for both)
     runs[B] = call

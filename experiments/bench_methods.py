@@ -67,7 +67,7 @@ def main(argv=None):
 
   from experiments.common import machine
   from specjax import bench, data, methods
-  from specjax.models.llama import is_packed
+  from specjax.models.decoder import is_packed
   from specjax.models.registry import load_model
   from specjax.sampling import SamplingParams
   specs = [parse_spec(s) for s in args.specs]

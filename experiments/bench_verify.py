@@ -5,7 +5,7 @@
 
 SmolLM2-135M's real weights (f32). ``forward``: ``specjax.forward`` over
 T in {1, 2, 4, 8, 16} (``--tokens``) new tokens on top of 256 cached ones
-per row, with the plain weights (XLA's dot) and with ``llama.pack_params``
+per row, with the plain weights (XLA's dot) and with ``decoder.pack_params``
 (the kernel), per batch size, and the weight read in the same rounds (``roofline``: the
 read's time over the one-token step's, at the first batch size).
 ``matmul``: per row count M, three jitted programs:
@@ -65,9 +65,9 @@ def forward_calls(model, batches, tokens, context: int = 256) -> dict:
   """``{(layout, B, T): call}``: one compiled forward per shape and layout
   (``gpu_cost_curve.donated_forward``: the cache fed back, written in
   place as in a decode loop)."""
-  from specjax.models import llama
+  from specjax.models import decoder
   cfg = model.config
-  layouts = {"xla": model.params, "native": llama.pack_params(model.params)}
+  layouts = {"xla": model.params, "native": decoder.pack_params(model.params)}
   fwd = donated_forward(cfg)
   calls = {}
   for B in batches:

@@ -37,7 +37,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from specjax.models import llama  # noqa: E402
+from specjax.models import decoder  # noqa: E402
 from specjax.models.config import ModelConfig  # noqa: E402
 
 SHAPES = {
@@ -64,14 +64,14 @@ def donated_forward(cfg: ModelConfig):
   donated and returned with its lengths unchanged, so calls fed their own
   output write in place like decode steps and always see the same context."""
   def fwd(params, tokens_BT, cache):
-    out = llama.forward(params, cfg, tokens_BT, cache)
+    out = decoder.forward(params, cfg, tokens_BT, cache)
     return out.logits, out.cache.with_lengths(cache.lengths)
   return jax.jit(fwd, donate_argnums=2)
 
 
 def context_cache(cfg: ModelConfig, B: int, context: int, dtype=jnp.float32):
   """A cache of capacity ``2 * context`` holding ``context`` tokens a row."""
-  return llama.init_cache(cfg, B, 2 * context, dtype).with_lengths(
+  return decoder.init_cache(cfg, B, 2 * context, dtype).with_lengths(
       jnp.full((B,), context, jnp.int32))
 
 
@@ -143,7 +143,7 @@ def forward_group(shape: str, dtype: str, compiled: dict, batches, tokens,
   """Times every compiled (batch, tokens) forward of one shape and dtype
   on one set of random weights."""
   cfg = SHAPES[shape]
-  params = llama.random_params(jax.random.key(0), cfg, dtype=jnp.dtype(dtype))
+  params = decoder.random_params(jax.random.key(0), cfg, dtype=jnp.dtype(dtype))
   rows = []
   for B in batches:
     holder = [context_cache(cfg, B, context, jnp.dtype(dtype))]
@@ -187,7 +187,7 @@ def measure(shapes, dtypes, out: pathlib.Path, *, batches=BATCHES,
   lowered, head_args = {}, {}
   for shape in shapes:
     for dtype in dtypes:
-      params = jax.eval_shape(lambda: llama.random_params(
+      params = jax.eval_shape(lambda: decoder.random_params(
           jax.random.key(0), SHAPES[shape], dtype=jnp.dtype(dtype)))
       for B in batches:
         for T in tokens:

@@ -294,7 +294,7 @@ def cmd_probe(args) -> int:
   """Child of call 1: the GPU config on a random target of the real shape."""
   import jax
   from specjax.training import train as etrain
-  from specjax.models.llama import random_params
+  from specjax.models.decoder import random_params
   from specjax.models.registry import Model
   scratch = pathlib.Path(args.scratch)
   man, _ = kit_files.manifest()
@@ -351,7 +351,7 @@ def smoke(work: pathlib.Path) -> dict:
   from specjax.training import data as edata
   from specjax.training import train as etrain
   from specjax.models.config import ModelConfig
-  from specjax.models.llama import random_params
+  from specjax.models.decoder import random_params
   from specjax.models.registry import Model
   t0 = time.time()
   mcfg = ModelConfig(vocab_size=96, dim=32, num_layers=3, num_heads=4,

@@ -17,6 +17,7 @@ import functools
 import json
 import pathlib
 import sys
+from specjax.models.decoder import Decoder
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
@@ -56,7 +57,7 @@ def pieces(model, dcfg, dparams, state):
     prop = propose(dparams, state, key)
     out["propose"] = (propose, (dparams, state, key))
     score = jax.jit(lambda p, s, pr, l: engine._score(
-        p, s, pr, l, model_cfg=cfg, dcfg=dcfg))
+        p, s, pr, l, target=Decoder(cfg), dcfg=dcfg))
     fo, _ = score(model.params, state, prop, live_B)
     out["verify_forward"] = (score, (model.params, state, prop, live_B))
     from specjax.verify import verify_chain
@@ -67,7 +68,7 @@ def pieces(model, dcfg, dparams, state):
     out["verify_chain"] = (ver, (prop, fo.logits, key))
   emit = jax.jit(lambda s, t, n, l: engine._emit(s, t, n, l, dcfg))
   out["emit"] = (emit, (state, res.tokens, res.num_emitted, live_B))
-  step = jax.jit(functools.partial(engine.step, model_cfg=cfg, dcfg=dcfg))
+  step = jax.jit(functools.partial(engine.step, target=Decoder(cfg), dcfg=dcfg))
   out["whole_step"] = (lambda p, s, d: step(p, s, drafter_params=d),
                        (model.params, state, dparams))
   return out
@@ -98,10 +99,10 @@ def main(argv=None):
     prompt_BT, lengths = bucketing.pad_prompts([ids], 0)
     state = engine.prefill_jit(model.params, prompt_BT, lengths,
                                jax.random.key(0), np.int32(10_000),
-                               model_cfg=model.config, dcfg=dcfg,
+                               target=model.target, dcfg=dcfg,
                                drafter_params=dparams)
     for _ in range(args.warm_steps):
-      state = engine.step_jit(model.params, state, model_cfg=model.config,
+      state = engine.step_jit(model.params, state, target=model.target,
                               dcfg=dcfg, drafter_params=dparams)
     ms = {name: 1e3 * bench.median_time(functools.partial(fn, *fargs),
                                         args.repeats)

@@ -21,8 +21,9 @@ from specjax.engine import (DecodeConfig, DecodeState, generate, generate_jit,
 from specjax.methods import MethodSpec
 from specjax.methods import build as build_method
 from specjax.models.config import ModelConfig, RopeScaling
-from specjax.models.llama import ForwardOutput, LlamaParams, forward, init_cache
+from specjax.models.decoder import Decoder
 from specjax.models.registry import Model, load_model
+from specjax.models.target import ForwardOutput, Target
 from specjax.models.tokenizer import StreamDecoder, Tokenizer
 from specjax.runner import BatchResult, RowResult, generate_ids
 from specjax.sampling import SamplingParams, sample_logits, warp
@@ -34,14 +35,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BatchResult", "ChainResult", "Datastore", "DecodeConfig", "DecodeState",
-    "DraftModelDrafter", "ForwardOutput", "KVCache", "LayerSkipDrafter",
-    "MethodSpec", "NGramDrafter", "Proposal", "RetrievalDrafter",
-    "LlamaParams", "Model", "ModelConfig", "RopeScaling", "RowResult",
+    "Decoder", "DraftModelDrafter", "ForwardOutput", "KVCache",
+    "LayerSkipDrafter", "MethodSpec", "NGramDrafter", "Proposal",
+    "RetrievalDrafter", "Model", "ModelConfig", "RopeScaling", "RowResult",
     "SamplingParams", "StreamDecoder", "Tokenizer", "bucket_length",
-    "build_datastore", "build_method", "capacity_for", "forward", "generate",
+    "build_datastore", "build_method", "capacity_for", "generate",
     "generate_ids", "generate_jit",
-    "init_cache", "load_model", "make_mesh", "pad_prompts", "prefill",
+    "load_model", "make_mesh", "pad_prompts", "prefill",
     "prefill_jit", "shard_params",
     "sample_logits", "sharegpt_datastore", "step", "step_jit", "stream",
-    "Tree", "TreeResult", "verify_chain", "verify_tree", "warp",
+    "Target", "Tree", "TreeResult", "verify_chain", "verify_tree", "warp",
 ]

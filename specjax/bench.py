@@ -45,7 +45,6 @@ import jax
 import numpy as np
 
 from specjax import bucketing, engine, methods, runner
-from specjax.models import llama
 from specjax.models.registry import Model
 from specjax.sampling import SamplingParams
 
@@ -90,10 +89,10 @@ def measure_costs(model: Model, prompts: Sequence[Sequence[int]],
                                              model.tokenizer.pad_id or 0)
   state = engine.prefill_jit(model.params, prompt_BT, lengths,
                              jax.random.key(0), np.int32(1),
-                             model_cfg=model.config, dcfg=dcfg,
+                             target=model.target, dcfg=dcfg,
                              drafter_params=drafter_params)
   K, width = dcfg.k, dcfg.block
-  fwd = jax.jit(lambda p, t, c: llama.forward(p, model.config, t, c).logits)
+  fwd = jax.jit(lambda p, t, c: model.target.forward(p, t, c).logits)
   target_1 = median_time(
       lambda: fwd(model.params, state.tokens[:, :1], state.cache), repeats)
   verify = median_time(

@@ -51,7 +51,7 @@ def run(model: Model, max_new_tokens: int = 96) -> None:
   detok, shown = StreamDecoder(model.tokenizer, skip_special_tokens=True), 0
   for state in engine.stream(model.params, prompt_BT, lengths,
                              jax.random.key(0), np.int32(max_new_tokens),
-                             model_cfg=model.config, dcfg=dcfg):
+                             target=model.target, dcfg=dcfg):
     n = int(state.num_tokens[0])
     sys.stdout.write(detok.push(state.tokens[0, lengths[0] + shown:n].tolist()))
     sys.stdout.flush()

@@ -39,8 +39,7 @@ from flax import struct
 from specjax import sharding, tree as trees
 from specjax.cache import KVCache
 from specjax.drafters.base import Drafter, Proposal, TreeDrafter
-from specjax.models import llama
-from specjax.models.config import ModelConfig
+from specjax.models.target import ForwardOutput, Target
 from specjax.rows import at_rows, set_at_rows
 from specjax.sampling import SamplingParams, sample_logits, warp
 from specjax.verify import verify_chain
@@ -145,14 +144,14 @@ class DecodeState:
     return self.num_tokens - self.prompt_lengths
 
 
-def _laid_out(state: DecodeState, model_cfg: ModelConfig,
+def _laid_out(state: DecodeState, target: Target,
               dcfg: DecodeConfig) -> DecodeState:
   """The state pinned to ``dcfg.mesh``'s layout (a no-op without one), so
   the loop carry keeps one sharding from step to step."""
   if dcfg.mesh is None:
     return state
   return sharding.constrain(
-      state, sharding.state_specs(state, model_cfg, dcfg.mesh), dcfg.mesh)
+      state, sharding.state_specs(state, target, dcfg.mesh), dcfg.mesh)
 
 
 def _update_stops(state: DecodeState, hit_eos_B: jax.Array,
@@ -179,15 +178,15 @@ def _feature_taps(dcfg: DecodeConfig) -> tuple[int, ...]:
   return () if dcfg.drafter is None else tuple(dcfg.drafter.feature_taps)
 
 
-def _features(out: llama.ForwardOutput):
+def _features(out: ForwardOutput):
   """``[B, T, n_taps * D]`` tapped hidden states side by side, or None."""
   if out.taps is None:
     return None
   return jnp.concatenate(list(out.taps), axis=-1)
 
 
-def _verify_forward(params, model_cfg, block_BT, cache, taps, width: int,
-                    positions_BT=None, mask_BTT=None) -> llama.ForwardOutput:
+def _verify_forward(params, target: Target, block_BT, cache, taps, width: int,
+                    positions_BT=None, mask_BTT=None) -> ForwardOutput:
   """The target forward over the first ``width`` tokens of the block (at
   ``positions``, under ``mask``: a tree's; default a chain's), leaving the
   cache untouched: its logits, taps and new entries zero-padded back to the
@@ -198,9 +197,9 @@ def _verify_forward(params, model_cfg, block_BT, cache, taps, width: int,
   if positions_BT is not None:
     positions_BT, mask_BTT = positions_BT[:, :width], mask_BTT[:, :width,
                                                                :width]
-  out = llama.forward(params, model_cfg, block_BT[:, :width], cache, taps=taps,
-                      positions_BT=positions_BT, mask_BTT=mask_BTT,
-                      write_cache=False)
+  out = target.forward(params, block_BT[:, :width], cache, taps=taps,
+                       positions_BT=positions_BT, mask_BTT=mask_BTT,
+                       write_cache=False)
   extra = block_BT.shape[1] - width
   if not extra:
     return out
@@ -252,9 +251,9 @@ def _is_eos(tokens, dcfg: DecodeConfig):
   return jnp.isin(tokens, jnp.asarray(dcfg.eos_ids or (-1,), jnp.int32))
 
 
-def prefill(params: llama.LlamaParams, prompt_BT: jax.Array,
+def prefill(params, prompt_BT: jax.Array,
             prompt_lengths_B: jax.Array, key: jax.Array,
-            max_new_tokens: jax.Array | int, *, model_cfg: ModelConfig,
+            max_new_tokens: jax.Array | int, *, target: Target,
             dcfg: DecodeConfig, drafter_params: Any = None) -> DecodeState:
   """Runs the prompts (right-padded to a bucket) and samples each first token.
 
@@ -270,13 +269,13 @@ def prefill(params: llama.LlamaParams, prompt_BT: jax.Array,
   if Tp >= S:  # the first sampled token needs a slot after the prompt
     raise ValueError(f"prompt bucket {Tp} must be below cache capacity {S}")
   lengths = jnp.asarray(prompt_lengths_B, jnp.int32)
-  cache = llama.init_cache(model_cfg, B, S, params.embed.dtype)
+  cache = target.init_cache(params, B, S)
   if dcfg.mesh is not None:
     cache = sharding.constrain(
-        cache, sharding.cache_specs(cache, model_cfg, dcfg.mesh), dcfg.mesh)
+        cache, sharding.cache_specs(cache, target, dcfg.mesh), dcfg.mesh)
   taps = _feature_taps(dcfg)
-  out = llama.forward(params, model_cfg, prompt_BT, cache, taps=taps,
-                      logit_positions_BP=(lengths - 1)[:, None])
+  out = target.forward(params, prompt_BT, cache, taps=taps,
+                       logit_positions_BP=(lengths - 1)[:, None])
   key, sub = jax.random.split(key)
   ok_B = _finite(out.logits)[:, 0]
   first_B = sample_logits(_usable_logits(out.logits, ok_B[:, None])[:, 0],
@@ -299,7 +298,7 @@ def prefill(params: llama.LlamaParams, prompt_BT: jax.Array,
       num_drafted=zeros_B, accepted_at=jnp.zeros((B, dcfg.k), jnp.int32),
       accepted_nodes=jnp.zeros((B, dcfg.tree_nodes), jnp.int32))
   return _laid_out(_update_stops(state, _is_eos(first_B, dcfg) & ok_B, dcfg,
-                                 nonfinite_B=~ok_B), model_cfg, dcfg)
+                                 nonfinite_B=~ok_B), target, dcfg)
 
 
 def _propose(drafter_params, state: DecodeState, dcfg: DecodeConfig,
@@ -320,7 +319,7 @@ def _propose(drafter_params, state: DecodeState, dcfg: DecodeConfig,
 
 
 def _score(params, state: DecodeState, prop: Proposal, live_B: jax.Array, *,
-           model_cfg: ModelConfig, dcfg: DecodeConfig):
+           target: Target, dcfg: DecodeConfig):
   """The target forward over ``[newest token, drafts]``: ``(out, wide)``.
   When no live row drafted (no n-gram match, an unconfident head), it scores
   the newest token alone (``wide`` False): on a CPU a forward over K + 1
@@ -328,7 +327,7 @@ def _score(params, state: DecodeState, prop: Proposal, live_B: jax.Array, *,
   K = dcfg.k
   last_B = at_rows(state.tokens, state.num_tokens - 1)
   block_BT = jnp.concatenate([last_B[:, None], prop.tokens], axis=1)
-  verify = functools.partial(_verify_forward, params, model_cfg, block_BT,
+  verify = functools.partial(_verify_forward, params, target, block_BT,
                              state.cache, _feature_taps(dcfg))
   wide = jnp.any((prop.num_draft > 0) & live_B)
   if not K:
@@ -383,8 +382,8 @@ def _tally(state: DecodeState, cache: KVCache, live_B: jax.Array,
       accepted_at=state.accepted_at + acc_BK)
 
 
-def step(params: llama.LlamaParams, state: DecodeState, *,
-         model_cfg: ModelConfig, dcfg: DecodeConfig,
+def step(params, state: DecodeState, *,
+         target: Target, dcfg: DecodeConfig,
          drafter_params: Any = None) -> DecodeState:
   """Propose -> score (one target forward) -> verify -> emit -> tally, for a
   chain or (``dcfg.tree_nodes``) a tree.
@@ -393,17 +392,17 @@ def step(params: llama.LlamaParams, state: DecodeState, *,
   tokens, lengths and statistics do not move.
   """
   step_fn = _tree_step if dcfg.tree_nodes else _chain_step
-  return _laid_out(step_fn(params, state, model_cfg, dcfg, drafter_params),
-                   model_cfg, dcfg)
+  return _laid_out(step_fn(params, state, target, dcfg, drafter_params),
+                   target, dcfg)
 
 
-def _chain_step(params, state: DecodeState, model_cfg: ModelConfig,
+def _chain_step(params, state: DecodeState, target: Target,
                 dcfg: DecodeConfig, drafter_params) -> DecodeState:
   """Propose a chain -> score -> ``verify_chain`` -> emit -> tally."""
   live_B = ~state.done
   key, k_draft, k_verify = jax.random.split(state.key, 3)
   prop = _propose(drafter_params, state, dcfg, k_draft)
-  out, wide = _score(params, state, prop, live_B, model_cfg=model_cfg,
+  out, wide = _score(params, state, prop, live_B, target=target,
                      dcfg=dcfg)
   logits, num_draft_B, nonfinite_B = _chain_cut(out.logits, prop.num_draft,
                                                 live_B)
@@ -441,7 +440,7 @@ def _propose_tree(drafter_params, state: DecodeState, dcfg: DecodeConfig,
   return tree.replace(valid=tree.valid & fits_BM), anc_BMM, prop.state
 
 
-def _tree_step(params, state: DecodeState, model_cfg: ModelConfig,
+def _tree_step(params, state: DecodeState, target: Target,
                dcfg: DecodeConfig, drafter_params) -> DecodeState:
   """Propose a tree -> score its nodes in one forward -> ``verify_tree`` ->
   write the accepted path's cache entries -> emit -> tally."""
@@ -451,7 +450,7 @@ def _tree_step(params, state: DecodeState, model_cfg: ModelConfig,
                                                k_draft)
   base_B = state.cache.lengths
   verify = functools.partial(
-      _verify_forward, params, model_cfg, tree.tokens, state.cache,
+      _verify_forward, params, target, tree.tokens, state.cache,
       _feature_taps(dcfg), positions_BT=trees.positions(base_B, anc_BMM),
       mask_BTT=anc_BMM)
   wide = jnp.any((tree.num_drafted > 0) & live_B)
@@ -480,28 +479,28 @@ def _tree_step(params, state: DecodeState, model_cfg: ModelConfig,
   return _update_stops(state, hit_eos_B, dcfg, nonfinite_B)
 
 
-def generate(params: llama.LlamaParams, prompt_BT: jax.Array,
+def generate(params, prompt_BT: jax.Array,
              prompt_lengths_B: jax.Array, key: jax.Array,
-             max_new_tokens: jax.Array | int, *, model_cfg: ModelConfig,
+             max_new_tokens: jax.Array | int, *, target: Target,
              dcfg: DecodeConfig, drafter_params: Any = None) -> DecodeState:
   """Prefill then ``step`` until every row has stopped, in one while_loop."""
   state = prefill(params, prompt_BT, prompt_lengths_B, key, max_new_tokens,
-                  model_cfg=model_cfg, dcfg=dcfg, drafter_params=drafter_params)
+                  target=target, dcfg=dcfg, drafter_params=drafter_params)
   return jax.lax.while_loop(
       lambda s: jnp.any(~s.done),
-      lambda s: step(params, s, model_cfg=model_cfg, dcfg=dcfg,
+      lambda s: step(params, s, target=target, dcfg=dcfg,
                      drafter_params=drafter_params),
       state)
 
 
-_STATIC = ("model_cfg", "dcfg")
+_STATIC = ("target", "dcfg")
 prefill_jit = jax.jit(prefill, static_argnames=_STATIC)
 step_jit = jax.jit(step, static_argnames=_STATIC, donate_argnames=("state",))
 generate_jit = jax.jit(generate, static_argnames=_STATIC)
 
 
-def stream(params: llama.LlamaParams, prompt_BT, prompt_lengths_B, key,
-           max_new_tokens, *, model_cfg: ModelConfig, dcfg: DecodeConfig,
+def stream(params, prompt_BT, prompt_lengths_B, key,
+           max_new_tokens, *, target: Target, dcfg: DecodeConfig,
            drafter_params: Any = None) -> Iterator[DecodeState]:
   """Yields the state after the prefill and after every step (same jitted step).
 
@@ -510,10 +509,10 @@ def stream(params: llama.LlamaParams, prompt_BT, prompt_lengths_B, key,
   need from a yielded state before advancing the iterator.
   """
   state = prefill_jit(params, prompt_BT, prompt_lengths_B, key, max_new_tokens,
-                      model_cfg=model_cfg, dcfg=dcfg,
+                      target=target, dcfg=dcfg,
                       drafter_params=drafter_params)
   yield state
   while not bool(jnp.all(state.done)):
-    state = step_jit(params, state, model_cfg=model_cfg, dcfg=dcfg,
+    state = step_jit(params, state, target=target, dcfg=dcfg,
                      drafter_params=drafter_params)
     yield state

@@ -168,7 +168,7 @@ def _build(model: Model, spec: MethodSpec) -> tuple[Any, Any]:
     from specjax.drafters import LayerSkipDrafter
     layers = spec.layers if spec.layers is not None else default_layers(model)
     try:
-      return (LayerSkipDrafter.from_target(model.config, layers,
+      return (LayerSkipDrafter.from_target(model.target, layers,
                                            spec.min_confidence), model.params)
     except ValueError as e:
       raise MethodError(str(e)) from None
@@ -214,7 +214,7 @@ def _draft_model(model: Model, spec: MethodSpec):
                       "differently from the target: they must share a "
                       "tokenizer")
   try:
-    drafter = DraftModelDrafter(draft.config, spec.min_confidence)
+    drafter = DraftModelDrafter(draft.target, spec.min_confidence)
   except ValueError as e:
     raise MethodError(str(e)) from None
   return drafter, draft.params
@@ -254,7 +254,6 @@ def _head(model: "Model", spec: MethodSpec):
 
   from specjax.heads.eagle import pack_head
   from specjax.heads.export import load_head
-  from specjax.models.llama import is_packed
   variant = HEADS[spec.name]
   path = head_file(model.config.name, spec)
   try:
@@ -265,7 +264,7 @@ def _head(model: "Model", spec: MethodSpec):
     method = {v: m for m, v in HEADS.items()}[cfg.variant]
     raise MethodError(f"--head {str(path)!r} is an {cfg.variant} head; use "
                       f"--method {method}")
-  if is_packed(model.params):  # the target's native CPU path: the head's too
+  if model.native:  # the target's native CPU path: the head's too
     head = pack_head(head)
   shape = ()
   if spec.tree_shape:
@@ -284,4 +283,4 @@ def _head(model: "Model", spec: MethodSpec):
                       f"draft vocabulary ({cfg.draft_vocab})")
   return (EagleDrafter(cfg, spec.min_confidence, spec.tree_width, shape),
           EagleParams(head=head, draft_ids=draft_ids,
-                      embed=jnp.asarray(model.params.embed)))
+                      embed=jnp.asarray(model.target.embedding(model.params))))

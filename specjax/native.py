@@ -1,4 +1,4 @@
-"""CPU kernels for decode and verify steps, as XLA custom calls (issue 17):
+"""CPU kernels for decode and verify steps, as XLA custom calls:
 a matmul for a few rows and attention over the cache slots in use.
 
 Decode and verify forwards multiply M = batch x tokens <= 64 rows by weights
@@ -9,7 +9,7 @@ with XLA's ops on a CPU"). ``small_matmul`` calls ``specjax/kernels/small_gemm.c
 inside ``jit`` and ``lax.while_loop``. The weight must be ``pack``-ed once
 into 16-column panels (``[ceil(N / 16), K, 16]``), which the kernel reads
 front to back. ``attention`` (``kernels/attention.cc``) is the decode and
-verify attention of packed models (``llama.forward``): XLA's spends a third
+verify attention of packed models (``decoder.forward``): XLA's spends a third
 of a decode step on every slot of the cache; it reads only the slots in use.
 
 Each kernel runs the widest of its AVX-512, AVX2 + FMA and plain C++
@@ -20,7 +20,7 @@ The shared library is built by the README's set-up command (``make
 install``: ``g++`` against ``jax.ffi.include_dir()``). When it is missing or
 fails to load, or ``SPECJAX_NATIVE=0`` is set, ``available()`` is False with
 one warning line saying why, ``small_matmul`` computes the same product
-with XLA on the packed layout and ``llama.forward`` uses XLA's attention.
+with XLA on the packed layout and ``decoder.forward`` uses XLA's attention.
 Forward only: neither has a VJP.
 """
 
@@ -141,7 +141,7 @@ def attention(q_BTNH: jax.Array, k_BGHS: jax.Array, v_BGSH: jax.Array,
   """``f32[B, T, N * H]``: the T new queries of each row attend over its
   cache prefix (slots ``s < lengths[b]``, only read) and over the new
   tokens' own keys/values: new token u is visible to t iff ``mask[b, t, u]``.
-  Reads only the slots in use; needs ``available()`` (``llama.forward``
+  Reads only the slots in use; needs ``available()`` (``decoder.forward``
   falls back to XLA's attention)."""
   if not available():
     raise RuntimeError("native.attention: the native library is not "

@@ -123,7 +123,7 @@ def stream_ids(model: Model, prompts: Sequence[Sequence[int]],
   lengths = sharding.to_host(args[2])
   shown = lengths.copy()
   start = time.perf_counter()
-  for state in engine.stream(*args, model_cfg=model.config, dcfg=dcfg,
+  for state in engine.stream(*args, target=model.target, dcfg=dcfg,
                              drafter_params=drafter_params):
     tokens, num = sharding.to_host((state.tokens, state.num_tokens))
     on_tokens([tokens[b, shown[b]:num[b]].tolist()
@@ -181,10 +181,10 @@ _EXECUTABLES: dict = {}
 def _compiled(args, drafter_params, model: Model, dcfg: engine.DecodeConfig):
   """The compiled ``generate`` for these argument shapes (compiled once)."""
   tree = (args, drafter_params)
-  key = (model.config, dcfg, jax.tree_util.tree_structure(tree),
+  key = (model.target, dcfg, jax.tree_util.tree_structure(tree),
          tuple((x.shape, x.dtype) for x in jax.tree_util.tree_leaves(tree)))
   if key not in _EXECUTABLES:
     _EXECUTABLES[key] = engine.generate_jit.lower(
-        *args, drafter_params=drafter_params, model_cfg=model.config,
+        *args, drafter_params=drafter_params, target=model.target,
         dcfg=dcfg).compile()
   return _EXECUTABLES[key]

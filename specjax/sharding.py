@@ -40,8 +40,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from specjax.cache import KVCache
-from specjax.models.config import ModelConfig
-from specjax.models.llama import LayerParams, LlamaParams, is_packed
+from specjax.models.target import Target
 
 DATA, MODEL = "data", "model"
 AXES = (DATA, MODEL)
@@ -93,25 +92,8 @@ def spec(logical: tuple, sizes: Mapping[str, int], mesh: Mesh) -> P:
   return P(*out)
 
 
-def _sizes(cfg: ModelConfig, batch: int = 1) -> dict[str, int]:
-  return dict(batch=batch, kv_heads=cfg.num_kv_heads, ffn=cfg.ffn_dim,
-              vocab=cfg.vocab_size)
-
-
-def param_axes(params: LlamaParams) -> LlamaParams:
-  """Logical axes of every target parameter, as a tree like ``params``."""
-  if is_packed(params):
-    raise ValueError("packed weights (the native CPU path) run on one "
-                     "device; load the model with native=False for a mesh")
-  layer = LayerParams(
-      attn_norm=(None,), wqkv=(None, "kv_heads"),
-      bqkv=None if params.layers[0].bqkv is None else ("kv_heads",),
-      wo=("kv_heads", None), mlp_norm=(None,), w_gate_up=(None, "ffn"),
-      w_down=("ffn", None))
-  return LlamaParams(
-      embed=("vocab", None), layers=(layer,) * len(params.layers),
-      final_norm=(None,),
-      lm_head=None if params.lm_head is None else ("vocab", None))
+def _sizes(target: Target, batch: int = 1) -> dict[str, int]:
+  return dict(batch=batch, **target.axis_sizes)
 
 
 def cache_axes(cache: KVCache) -> KVCache:
@@ -130,8 +112,9 @@ def _specs(axes_tree, sizes, mesh):
                       is_leaf=_is_axes)
 
 
-def param_specs(params: LlamaParams, cfg: ModelConfig, mesh: Mesh):
-  return _specs(param_axes(params), _sizes(cfg), mesh)
+def param_specs(params, target: Target, mesh: Mesh):
+  """Specs of the target's parameters (``Target.param_axes``)."""
+  return _specs(target.param_axes(params), _sizes(target), mesh)
 
 
 def batch_specs(tree: Any, batch: int, mesh: Mesh):
@@ -145,17 +128,18 @@ def batch_specs(tree: Any, batch: int, mesh: Mesh):
   return jax.tree.map(leaf, tree)
 
 
-def cache_specs(cache: KVCache, cfg: ModelConfig, mesh: Mesh):
-  return _specs(cache_axes(cache), _sizes(cfg, cache.lengths.shape[0]), mesh)
+def cache_specs(cache: KVCache, target: Target, mesh: Mesh):
+  return _specs(cache_axes(cache), _sizes(target, cache.lengths.shape[0]),
+                mesh)
 
 
-def state_specs(state, cfg: ModelConfig, mesh: Mesh):
+def state_specs(state, target: Target, mesh: Mesh):
   """Specs of a ``engine.DecodeState``: per-row fields split over ``data``,
   the cache as ``cache_axes``, scalars and the key replicated."""
   B = state.tokens.shape[0]
   by_row = batch_specs(state.replace(cache=None, drafter_state=None), B, mesh)
   return by_row.replace(
-      cache=cache_specs(state.cache, cfg, mesh),
+      cache=cache_specs(state.cache, target, mesh),
       drafter_state=batch_specs(state.drafter_state, B, mesh),
       key=P())
 
@@ -189,10 +173,9 @@ def _put(tree: Any, shardings):
   return jax.tree.map(leaf, tree, shardings)
 
 
-def shard_params(params: LlamaParams, cfg: ModelConfig,
-                 mesh: Mesh) -> LlamaParams:
+def shard_params(params, target: Target, mesh: Mesh):
   """The target's weights placed on ``mesh`` (``param_specs``)."""
-  return _put(params, _named(param_specs(params, cfg, mesh), mesh))
+  return _put(params, _named(param_specs(params, target, mesh), mesh))
 
 
 def shard_batch(tree: Any, mesh: Mesh):

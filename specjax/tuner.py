@@ -186,17 +186,16 @@ def measure_costs(model: "Model", batch_size: int, progress: bool = True,
   from tqdm import tqdm
 
   from specjax import engine
-  from specjax.models import llama
-  cfg, B = model.config, batch_size
-  cache = llama.init_cache(cfg, B, 2 * context, model.params.embed.dtype
-                           ).with_lengths(np.full((B,), context, np.int32))
-  fwd = jax.jit(lambda p, t, c: llama.forward(p, cfg, t, c).logits)
+  target, B = model.target, batch_size
+  cache = target.init_cache(model.params, B, 2 * context).with_lengths(
+      np.full((B,), context, np.int32))
+  fwd = jax.jit(lambda p, t, c: target.forward(p, t, c).logits)
   dcfg = engine.DecodeConfig(capacity=2 * context, eos_ids=())
   state = engine.prefill_jit(
       model.params, np.ones((B, context), np.int32),
       np.full((B,), context - 1, np.int32), jax.random.key(0),
-      np.int32(1 << 20), model_cfg=cfg, dcfg=dcfg)
-  step = jax.jit(lambda p, s: engine.step(p, s, model_cfg=cfg, dcfg=dcfg))
+      np.int32(1 << 20), target=target, dcfg=dcfg)
+  step = jax.jit(lambda p, s: engine.step(p, s, target=target, dcfg=dcfg))
   widths = list(range(1, K_MAX + 2)) + list(TREE_WIDTHS)
   calls = [lambda t=t: fwd(model.params, np.ones((B, t), np.int32), cache)
            for t in widths]
@@ -214,7 +213,7 @@ def measure_costs(model: "Model", batch_size: int, progress: bool = True,
   n = K_MAX + 1
   forward, ar_step = [0.0] + med[:n], med[-1]
   return CostCurve(forward=tuple(forward), rest=max(ar_step - forward[1], 0.0),
-                   num_layers=cfg.num_layers,
+                   num_layers=target.config.num_layers,
                    wide=tuple(zip(TREE_WIDTHS, med[n:-1])))
 
 

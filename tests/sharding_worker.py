@@ -26,10 +26,11 @@ from specjax.drafters import NGramDrafter
 from specjax.drafters.eagle import EagleDrafter, EagleParams
 from specjax.heads.eagle import HeadConfig
 from specjax.heads.vocab import build_draft_vocab
-from specjax.models import llama
+from specjax.models import decoder
 from specjax.models.config import ModelConfig
 from specjax.sampling import SamplingParams
 from specjax.training.train import init_head
+from specjax.models.decoder import Decoder
 
 CFG = ModelConfig(vocab_size=64, dim=32, num_layers=3, num_heads=16,
                   num_kv_heads=8, head_dim=4, ffn_dim=48)
@@ -60,10 +61,10 @@ def _as_specified(tree, specs, mesh) -> bool:
 
 
 def main(full: bool) -> dict:
-  params = llama.random_params(jax.random.key(0), CFG, scale=0.3)
+  params = decoder.random_params(jax.random.key(0), CFG, scale=0.3)
   hcfg = HeadConfig.for_target(CFG, 64, taps=(0, 1, 3))
   vocab = build_draft_vocab([np.arange(64)], 64, 64)
-  head = EagleParams(head=init_head(jax.random.key(1), hcfg, params, vocab),
+  head = EagleParams(head=init_head(jax.random.key(1), hcfg, Decoder(CFG), params, vocab),
                      draft_ids=jnp.asarray(vocab.ids), embed=params.embed)
   methods = {"ar": (None, 0, 0, None), "ngram": (NGramDrafter(), 3, 0, None),
              "eagle3": (EagleDrafter(hcfg), 3, 0, head)}
@@ -81,14 +82,14 @@ def main(full: bool) -> dict:
           capacity=48, sampling=SamplingParams(temperature=temp, top_p=0.9),
           drafter=drafter, num_draft=k, tree_nodes=nodes)
       run = lambda p, d, *a: engine.generate_jit(
-          p, *a, np.int32(12), model_cfg=CFG, dcfg=d, drafter_params=dparams
+          p, *a, np.int32(12), target=Decoder(CFG), dcfg=d, drafter_params=dparams
           if d.mesh is None else sharding.place_drafter_params(dparams,
                                                                 d.mesh))
       ref = run(params, dcfg, prompt_BT, lengths, jax.random.key(7))
       for shape in meshes:
         mesh = sharding.make_mesh(shape)
         # Prompts and key as host arrays: the engine lays the state out.
-        st = run(sharding.shard_params(params, CFG, mesh),
+        st = run(sharding.shard_params(params, Decoder(CFG), mesh),
                  dataclasses.replace(dcfg, mesh=mesh), prompt_BT, lengths,
                  jax.random.key(7))
         same = bool((np.asarray(st.tokens) == np.asarray(ref.tokens)).all()
@@ -98,11 +99,11 @@ def main(full: bool) -> dict:
                                 equal=same, new_tokens=int(
                                     (st.num_tokens - st.prompt_lengths).sum())))
         if name == "eagle3" and temp == 0.0:
-          sp = sharding.shard_params(params, CFG, mesh)
+          sp = sharding.shard_params(params, Decoder(CFG), mesh)
           out["every_leaf_as_specified"] = out.get(
               "every_leaf_as_specified", True) and _as_specified(
-                  sp, sharding.param_specs(params, CFG, mesh), mesh) and (
-                      _as_specified(st, sharding.state_specs(st, CFG, mesh),
+                  sp, sharding.param_specs(params, Decoder(CFG), mesh), mesh) and (
+                      _as_specified(st, sharding.state_specs(st, Decoder(CFG), mesh),
                                     mesh))
           out["specs"][shape] = dict(
               wqkv=_spec(sp.layers[0].wqkv), wo=_spec(sp.layers[0].wo),
@@ -119,7 +120,7 @@ def main(full: bool) -> dict:
   # SmolLM2's shape: 3 kv heads do not split over 2 devices (replicated),
   # its FFN and vocabulary do.
   odd = dataclasses.replace(CFG, num_heads=9, num_kv_heads=3, head_dim=4)
-  sp = sharding.shard_params(llama.random_params(jax.random.key(0), odd), odd,
+  sp = sharding.shard_params(decoder.random_params(jax.random.key(0), odd), odd,
                              sharding.make_mesh("data=4,model=2"))
   out["specs"]["odd_heads"] = dict(wqkv=_spec(sp.layers[0].wqkv),
                                    w_down=_spec(sp.layers[0].w_down))
@@ -164,12 +165,12 @@ def multihost_main(port: int, pid: int) -> dict:
   sharding.initialize_distributed(f"127.0.0.1:{port},2,{pid}")
   from specjax import runner
   from specjax.models.registry import Model, on_mesh
-  params = llama.random_params(jax.random.key(0), CFG, scale=0.3)
-  one = Model(config=CFG, params=params, tokenizer=None)
+  params = decoder.random_params(jax.random.key(0), CFG, scale=0.3)
+  one = Model(target=Decoder(CFG), params=params, tokenizer=None)
   meshed = on_mesh(one, sharding.make_mesh("data=4,model=2"))
   hcfg = HeadConfig.for_target(CFG, 64, taps=(0, 1, 3))
   vocab = build_draft_vocab([np.arange(64)], 64, 64)
-  head = EagleParams(head=init_head(jax.random.key(1), hcfg, params, vocab),
+  head = EagleParams(head=init_head(jax.random.key(1), hcfg, Decoder(CFG), params, vocab),
                      draft_ids=jnp.asarray(vocab.ids), embed=params.embed)
   out = dict(process=jax.process_index(), processes=jax.process_count(),
              devices=jax.device_count(), runs=[])

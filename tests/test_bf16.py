@@ -14,10 +14,11 @@ from specjax.drafters.eagle import EagleDrafter, EagleParams
 from specjax.drafters.medusa import MedusaDrafter, MedusaParams
 from specjax.heads.eagle import HeadConfig
 from specjax.heads.vocab import build_draft_vocab
-from specjax.models import llama
+from specjax.models import decoder
 from specjax.models.hf_loader import load_hf
 from specjax.models.registry import default_dtype
 from specjax.training.train import init_head
+from specjax.models.decoder import Decoder
 from tests.tiny_hf import make_tiny
 
 BF16 = jnp.bfloat16
@@ -38,10 +39,10 @@ def _heads(cfg, params):
   ids = jnp.asarray(vocab.ids)
   e3 = HeadConfig.for_target(cfg, 37, taps=(0, 1, 3))
   md = HeadConfig.for_target(cfg, 37, variant="medusa", medusa_heads=3)
-  return ((e3, EagleParams(head=init_head(jax.random.key(1), e3, params,
+  return ((e3, EagleParams(head=init_head(jax.random.key(1), e3, Decoder(cfg), params,
                                           vocab), draft_ids=ids,
                            embed=params.embed)),
-          (md, MedusaParams(head=init_head(jax.random.key(2), md, params,
+          (md, MedusaParams(head=init_head(jax.random.key(2), md, Decoder(cfg), params,
                                            vocab), draft_ids=ids)))
 
 
@@ -64,7 +65,7 @@ def test_bf16_every_method_equals_bf16_ar(tiny16):
 
   def run(dparams=None, **kw):
     st = engine.generate_jit(params, prompt_BT, lengths, jax.random.key(0),
-                             np.int32(20), model_cfg=cfg,
+                             np.int32(20), target=Decoder(cfg),
                              dcfg=engine.DecodeConfig(capacity=96, **kw),
                              drafter_params=dparams)
     return [st.tokens[b, lengths[b]:st.num_tokens[b]].tolist()
@@ -72,7 +73,7 @@ def test_bf16_every_method_equals_bf16_ar(tiny16):
 
   ar, st = run()
   assert st.cache.k[0].dtype == BF16
-  out = llama.forward(params, cfg, prompt_BT, llama.init_cache(
+  out = decoder.forward(params, cfg, prompt_BT, decoder.init_cache(
       cfg, len(PROMPTS), 32, BF16))
   assert out.logits.dtype == jnp.float32
   (e3, e3p), (md, mdp) = _heads(cfg, params)
@@ -80,9 +81,9 @@ def test_bf16_every_method_equals_bf16_ar(tiny16):
       "ngram": run(drafter=NGramDrafter(), num_draft=4),
       "ngram_trie": run(drafter=NGramDrafter(num_paths=3), num_draft=4,
                         tree_nodes=8),
-      "layerskip": run(params, drafter=LayerSkipDrafter.from_target(cfg, 1),
+      "layerskip": run(params, drafter=LayerSkipDrafter.from_target(Decoder(cfg), 1),
                        num_draft=3),
-      "draft_self": run(params, drafter=DraftModelDrafter(cfg), num_draft=3),
+      "draft_self": run(params, drafter=DraftModelDrafter(Decoder(cfg)), num_draft=3),
       "eagle3": run(e3p, drafter=EagleDrafter(e3), num_draft=3),
       "eagle3_tree": run(e3p, drafter=EagleDrafter(e3, tree_width=2),
                          num_draft=3, tree_nodes=6),
@@ -93,7 +94,7 @@ def test_bf16_every_method_equals_bf16_ar(tiny16):
   st = runs["draft_self"][1]
   acc, fwd = np.asarray(st.accepted_at), np.asarray(st.num_forwards)
   assert (acc[:, 2] >= fwd - 1).all()  # the target as its draft: all kept
-  prop = DraftModelDrafter(cfg).propose(
+  prop = DraftModelDrafter(Decoder(cfg)).propose(
       params, st.drafter_state, st.tokens, st.num_tokens, jax.random.key(3),
       3, engine.SamplingParams(1.0))
   assert prop.probs.dtype == jnp.float32

@@ -10,6 +10,7 @@ import pytest
 from specjax.training import data as edata
 from specjax.training import train as etrain
 from specjax.models.registry import Model
+from specjax.models.decoder import Decoder
 
 
 def make_tiny_model(d) -> Model:
@@ -19,7 +20,7 @@ def make_tiny_model(d) -> Model:
   from tests.tiny_hf import make_tiny
   make_tiny("llama_gqa_tied", d, seed=4)
   cfg, params = load_hf(d)
-  return Model(config=dataclasses.replace(cfg, eos_ids=(36,)), params=params,
+  return Model(target=Decoder(dataclasses.replace(cfg, eos_ids=(36,))), params=params,
                tokenizer=None)
 
 
@@ -146,8 +147,8 @@ def test_feature_cache_equals_on_the_fly_and_resumes(tiny_model, tmp_path):
   build = lambda d, **kw: efeat.build(tiny_model, "tiny", s.hcfg, s.vocab, ex,
                                       tmp_path / d, progress=False, **kw)
   idx = np.array([4, 1])
-  want = target_batch(tp, tcfg, s.hcfg, s.vocab, ex.ids[idx], ex.mask[idx])
-  rows = draft_rows(tp, s.vocab)
+  want = target_batch(tp, Decoder(tcfg), s.hcfg, s.vocab, ex.ids[idx], ex.mask[idx])
+  rows = draft_rows(tiny_model.target.lm_head(tp), s.vocab)
   for dtype, rtol, atol in (("float32", 1e-5, 1e-5), ("bfloat16", 2 ** -7, 0)):
     got = efeat.cached_batch(build(dtype, dtype=dtype), rows, idx, ex)
     np.testing.assert_allclose(got.taps, want.taps, rtol=rtol, atol=atol)
@@ -172,7 +173,7 @@ def test_feature_cache_equals_on_the_fly_and_resumes(tiny_model, tmp_path):
                                        other, tmp_path / "killed",
                                        progress=False), rows, idx, other)
   np.testing.assert_allclose(
-      got.taps, target_batch(tp, tcfg, s.hcfg, s.vocab, other.ids[idx],
+      got.taps, target_batch(tp, Decoder(tcfg), s.hcfg, s.vocab, other.ids[idx],
                              other.mask[idx]).taps, rtol=2 ** -7)
 
 
@@ -256,7 +257,7 @@ def test_eagle1_keeps_target_copies_frozen(tiny_model, tmp_path):
   tcfg, tparams = tiny_model.config, tiny_model.params
   hcfg = HeadConfig.for_target(tcfg, 37, variant="eagle1")
   vocab = build_draft_vocab([np.arange(37)], 37, 37)
-  init = etrain.init_head(jax.random.key(cfg.seed), hcfg, tparams, vocab)
+  init = etrain.init_head(jax.random.key(cfg.seed), hcfg, tiny_model.target, tparams, vocab)
   for name in ("lm_head", "feature_norm"):
     for a, b in zip(jax.tree.leaves(run.params[name]),
                     jax.tree.leaves(init[name])):

@@ -8,9 +8,11 @@ import pytest
 
 from specjax.heads.eagle import Eagle3Head, HeadConfig
 from specjax.heads.vocab import build_draft_vocab
-from specjax.models import llama
+from specjax.models import decoder
+from specjax.models import layers
 from specjax.training.ttt import TTTBatch, dense_mask, target_batch, ttt_loss
 from specjax.training.ttt import loss_rows
+from specjax.models.decoder import Decoder
 
 # All-different dims: D=24, N=6, G=2, H=4, F=40, V=37, Vd=29, T=11, taps 3.
 CFG = HeadConfig(target_dim=24, target_vocab=37, target_layers=3,
@@ -74,7 +76,7 @@ def _loop_loss(params, embed, batch, K, decay=0.8, stop_feedback=False):
     k_BSGH, v_BSGH = jnp.concatenate(ks, 1), jnp.concatenate(vs, 1)
     mask = jnp.repeat(jnp.broadcast_to(dense_mask(T, k), (B, T, (k + 1) * T)),
                       CFG.num_heads // CFG.num_kv_heads, axis=1)
-    attn = llama.attention(q, k_BSGH.transpose(0, 2, 3, 1),
+    attn = layers.attention(q, k_BSGH.transpose(0, 2, 3, 1),
                            v_BSGH.transpose(0, 2, 1, 3), mask)
     out = call("finish", resid, attn)
     logits = call("logits", out)
@@ -158,10 +160,10 @@ def greedy_batch(tparams, tcfg, hcfg, vocab, prompts, outputs) -> TTTBatch:
   tokens = jnp.asarray([s + [0] * (T - len(s)) for s in seqs], jnp.int32)
   mask = jnp.asarray([[len(p) <= t < len(s) for t in range(T)]
                       for p, s in zip(prompts, seqs)])
-  return target_batch(tparams, tcfg, hcfg, vocab, tokens, mask)
+  return target_batch(tparams, Decoder(tcfg), hcfg, vocab, tokens, mask)
 
 
-def decoder(tparams, tcfg, prompts, max_new: int = 24):
+def greedy_decode(tparams, tcfg, prompts, max_new: int = 24):
   """``run(dcfg, drafter_params=None) -> (new tokens per row, state)``:
   ``engine.generate_jit`` on the ragged batch ``prompts`` (seed 0)."""
   from specjax import bucketing, engine
@@ -169,7 +171,7 @@ def decoder(tparams, tcfg, prompts, max_new: int = 24):
 
   def run(dcfg, dparams=None):
     st = engine.generate_jit(tparams, prompt_BT, lengths, jax.random.key(0),
-                             np.int32(max_new), model_cfg=tcfg, dcfg=dcfg,
+                             np.int32(max_new), target=Decoder(tcfg), dcfg=dcfg,
                              drafter_params=dparams)
     return [st.tokens[b, lengths[b]:st.num_tokens[b]].tolist()
             for b in range(len(prompts))], st
@@ -218,10 +220,10 @@ def test_eagle_chain_drafting_greedy_identity(tmp_path, variant):
   taps = (0, 1, 2) if variant == "eagle3" else (3,)
   hcfg = HeadConfig.for_target(tcfg, 37, variant=variant, taps=taps)
   vocab = build_draft_vocab([np.arange(37)], 37, 37)
-  head = init_head(jax.random.key(0), hcfg, tparams, vocab)
+  head = init_head(jax.random.key(0), hcfg, Decoder(tcfg), tparams, vocab)
   prompts = [[5, 6, 7, 8, 5, 6, 7], [9, 1, 9], [3, 4, 3, 4, 3, 4, 3, 4, 3, 4],
              [20]]
-  run = decoder(tparams, tcfg, prompts)
+  run = greedy_decode(tparams, tcfg, prompts)
   ar, _ = run(engine.DecodeConfig(capacity=64))
   k = 3
   dparams = EagleParams(head=head, draft_ids=jnp.asarray(vocab.ids),
@@ -307,7 +309,7 @@ def test_static_trees_match_dynamic_and_chain_drafts(tmp_path, variant):
   hcfg = HC.for_target(tcfg, 37, variant=variant,
                        taps=(0, 1, 2) if variant == "eagle3" else (3,))
   vocab = build_draft_vocab([np.arange(37)], 37, 37)
-  dparams = EagleParams(head=init_head(jax.random.key(1), hcfg, tparams,
+  dparams = EagleParams(head=init_head(jax.random.key(1), hcfg, Decoder(tcfg), tparams,
                                        vocab),
                         draft_ids=jnp.asarray(vocab.ids), embed=tparams.embed)
   prompt_BT, lengths = bucketing.pad_prompts([[5, 6, 7, 8, 5], [9, 1]])
@@ -316,7 +318,7 @@ def test_static_trees_match_dynamic_and_chain_drafts(tmp_path, variant):
     dcfg = engine.DecodeConfig(capacity=64, drafter=drafter, num_draft=k,
                                tree_nodes=nodes)
     st = engine.prefill(tparams, prompt_BT, lengths, jax.random.key(0), 8,
-                        model_cfg=tcfg, dcfg=dcfg, drafter_params=dparams)
+                        target=Decoder(tcfg), dcfg=dcfg, drafter_params=dparams)
     args = (dparams, st.drafter_state, st.tokens, st.num_tokens,
             jax.random.key(1), k)
     if nodes:
@@ -340,7 +342,7 @@ def test_static_trees_match_dynamic_and_chain_drafts(tmp_path, variant):
   dcfg = engine.DecodeConfig(capacity=64, drafter=drafter, num_draft=4,
                              tree_nodes=4)
   st = engine.prefill(tparams, prompt_BT, lengths, jax.random.key(0), 8,
-                      model_cfg=tcfg, dcfg=dcfg, drafter_params=dparams)
+                      target=Decoder(tcfg), dcfg=dcfg, drafter_params=dparams)
   state, stable, a = drafter._start(dparams, st.drafter_state, st.tokens,
                                     st.num_tokens, 4)
   root = st.tokens[jnp.arange(2), st.num_tokens - 1]
@@ -386,8 +388,8 @@ def test_leviathan_with_real_head_draft_probabilities(tmp_path):
                          embed=tparams.embed)
   k, sampling = 3, SamplingParams(1.0)
   prompt = jnp.array([[4, 8, 15, 16, 23, 30]], jnp.int32)
-  out = llama.forward(tparams, tcfg, prompt,
-                      llama.init_cache(tcfg, 1, 16), taps=hcfg.taps)
+  out = decoder.forward(tparams, tcfg, prompt,
+                      decoder.init_cache(tcfg, 1, 16), taps=hcfg.taps)
   drafter = EagleDrafter(hcfg)
   state = drafter.init(dparams, prompt, jnp.array([6]), 16, k,
                        jnp.concatenate(list(out.taps), -1))
@@ -398,8 +400,8 @@ def test_leviathan_with_real_head_draft_probabilities(tmp_path):
   p_KV = np.asarray(prop.probs[0])
   assert np.allclose(p_KV.sum(-1), 1, atol=1e-5)
   assert (p_KV[:, 29:] == 0).all() and (p_KV[:, :29] > 0).all()
-  full = llama.forward(tparams, tcfg, tokens[:, :10],
-                       llama.init_cache(tcfg, 1, 16)).logits[0, 6:10]
+  full = decoder.forward(tparams, tcfg, tokens[:, :10],
+                       decoder.init_cache(tcfg, 1, 16)).logits[0, 6:10]
   q_K1V = np.asarray(warp(full, sampling))
   drafts = _draft(jax.random.key(11), jnp.asarray(p_KV))
   res = jax.jit(verify.verify_chain)(
@@ -425,10 +427,10 @@ def test_warm_layer_starts_as_the_target_layer_the_high_tap_feeds(tmp_path):
   tcfg, tparams = load_hf(tmp_path)
   hcfg = HeadConfig.for_target(tcfg, 30, taps=(0, 1, 2))
   vocab = build_draft_vocab([np.arange(37)], 37, 30)
-  head = warm_layer(init_head(jax.random.key(0), hcfg, tparams, vocab), hcfg,
-                    tparams)
+  head = warm_layer(init_head(jax.random.key(0), hcfg, Decoder(tcfg), tparams, vocab), hcfg,
+                    Decoder(tcfg), tparams)
   tok = jax.random.randint(jax.random.key(1), (2, 9), 0, 37)
-  out = llama.forward(tparams, tcfg, tok, llama.init_cache(tcfg, 2, 16,
+  out = decoder.forward(tparams, tcfg, tok, decoder.init_cache(tcfg, 2, 16,
                                                            jnp.float32),
                       taps=(0, 1, 2))
   pos = jnp.broadcast_to(jnp.arange(9), (2, 9))
@@ -438,7 +440,7 @@ def test_warm_layer_starts_as_the_target_layer_the_high_tap_feeds(tmp_path):
                                     given, tparams.embed, pos)
     np.testing.assert_allclose(logits, out.logits[..., vocab.ids],
                                rtol=1e-4, atol=1e-4)
-  packed = warm_layer(head, hcfg, llama.pack_params(tparams))
+  packed = warm_layer(head, hcfg, Decoder(tcfg), decoder.pack_params(tparams))
   for a, b in zip(jax.tree.leaves(packed), jax.tree.leaves(head)):
     np.testing.assert_array_equal(a, b)
 
@@ -460,13 +462,13 @@ def _eagle_joint_first_three(tparams, tcfg, hcfg, dparams, n=60_000,
                              num_draft=2)
   st = engine.generate_jit(tparams, jnp.tile(jnp.array([prompt]), (n, 1)),
                            jnp.full((n,), 4, jnp.int32), jax.random.key(seed),
-                           np.int32(3), model_cfg=tcfg, dcfg=dcfg,
+                           np.int32(3), target=Decoder(tcfg), dcfg=dcfg,
                            drafter_params=dparams)
   t = np.asarray(st.tokens[:, 4:7])
   counts = np.bincount((t[:, 0] * V + t[:, 1]) * V + t[:, 2],
                        minlength=V ** 3)
-  fwd = lambda seqs: jax.nn.softmax(llama.forward(
-      tparams, tcfg, seqs, llama.init_cache(tcfg, len(seqs), 8)).logits[:, -1])
+  fwd = lambda seqs: jax.nn.softmax(decoder.forward(
+      tparams, tcfg, seqs, decoder.init_cache(tcfg, len(seqs), 8)).logits[:, -1])
   q1 = fwd(jnp.array([prompt]))[0]
   q2 = fwd(jnp.array([prompt + [a] for a in range(V)]))
   q3 = fwd(jnp.array([prompt + [a, b] for a in range(V) for b in range(V)]))
@@ -495,7 +497,7 @@ def test_eagle_sampling_through_the_engine_is_exact(tmp_path, monkeypatch):
   tcfg, tparams = load_hf(tmp_path)
   hcfg = HeadConfig.for_target(tcfg, 37, taps=(0, 1, 2))
   vocab = build_draft_vocab([np.arange(37)], 37, 37)
-  dparams = EagleParams(head=init_head(jax.random.key(0), hcfg, tparams,
+  dparams = EagleParams(head=init_head(jax.random.key(0), hcfg, Decoder(tcfg), tparams,
                                        vocab),
                         draft_ids=jnp.asarray(vocab.ids), embed=tparams.embed)
   counts, expected, drafted = _eagle_joint_first_three(tparams, tcfg,

@@ -10,9 +10,10 @@ import scipy.stats
 
 from specjax import bucketing, engine
 from specjax.drafters import NGramDrafter
-from specjax.models import llama
+from specjax.models import decoder
 from specjax.models.hf_loader import load_hf
 from specjax.sampling import SamplingParams, warp
+from specjax.models.decoder import Decoder
 from tests.tiny_hf import make_tiny
 
 PROMPTS = [[5, 17, 3], [9, 1, 30, 22, 8, 14, 2, 6], [33], [4, 4, 4, 4, 12]]
@@ -28,8 +29,8 @@ def tiny(tmp_path_factory):
 def _greedy_reference(params, cfg, prompt, n):
   """Greedy decoding by re-running the whole sequence each step (no cache
   reuse): one fixed-shape forward over the sequence padded to 32 tokens."""
-  full = jax.jit(lambda p, t: llama.forward(p, cfg, t,
-                                            llama.init_cache(cfg, 1, 32)))
+  full = jax.jit(lambda p, t: decoder.forward(p, cfg, t,
+                                            decoder.init_cache(cfg, 1, 32)))
   seq = list(prompt)
   for _ in range(n):
     padded = jnp.array([seq + [0] * (32 - len(seq))])
@@ -40,7 +41,7 @@ def _greedy_reference(params, cfg, prompt, n):
 def _run(params, cfg, prompts, max_new, dcfg, seed=0):
   prompt_BT, lengths = bucketing.pad_prompts(prompts)
   state = engine.generate_jit(params, prompt_BT, lengths, jax.random.key(seed),
-                              np.int32(max_new), model_cfg=cfg, dcfg=dcfg)
+                              np.int32(max_new), target=Decoder(cfg), dcfg=dcfg)
   return [state.tokens[b, lengths[b]:state.num_tokens[b]].tolist()
           for b in range(len(prompts))], state
 
@@ -86,7 +87,7 @@ def test_stream_equals_generate(tiny):
   prompt_BT, lengths = bucketing.pad_prompts(PROMPTS)
   counts = []
   for state in engine.stream(params, prompt_BT, lengths, jax.random.key(0),
-                             np.int32(7), model_cfg=cfg, dcfg=dcfg):
+                             np.int32(7), target=Decoder(cfg), dcfg=dcfg):
     counts.append(int(state.num_tokens[0]))
     last = [state.tokens[b, lengths[b]:state.num_tokens[b]].tolist()
             for b in range(len(PROMPTS))]
@@ -126,7 +127,7 @@ def test_generate_inside_user_jit(tiny, drafter):
   @jax.jit
   def rollout_and_score(params, prompt_BT, lengths, key):
     traces.append(1)
-    state = engine.generate(params, prompt_BT, lengths, key, 6, model_cfg=cfg,
+    state = engine.generate(params, prompt_BT, lengths, key, 6, target=Decoder(cfg),
                             dcfg=dcfg)
     new = jnp.arange(64)[None, :] >= lengths[:, None]
     valid = new & (jnp.arange(64)[None, :] < state.num_tokens[:, None])
@@ -138,7 +139,7 @@ def test_generate_inside_user_jit(tiny, drafter):
   rollout_and_score(params, prompt_BT, lengths, jax.random.key(2))
   assert len(traces) == 1
   direct = engine.generate_jit(params, prompt_BT, lengths, jax.random.key(1),
-                               np.int32(6), model_cfg=cfg, dcfg=dcfg)
+                               np.int32(6), target=Decoder(cfg), dcfg=dcfg)
   np.testing.assert_array_equal(tokens, direct.tokens)
   assert score.shape == (len(PROMPTS),)
 
@@ -153,11 +154,11 @@ def test_sampled_first_token_distribution(tiny):
   prompt = [[5, 17, 3]] * n
   state = engine.prefill_jit(
       params, jnp.array(prompt), jnp.full((n,), 3), jax.random.key(7), 1,
-      model_cfg=cfg, dcfg=engine.DecodeConfig(capacity=4, sampling=sp))
+      target=Decoder(cfg), dcfg=engine.DecodeConfig(capacity=4, sampling=sp))
   outs = np.asarray(state.tokens[:, 3:4])
   drawn = np.bincount([o[0] for o in outs], minlength=cfg.vocab_size)
-  logits = llama.forward(params, cfg, jnp.array(prompt[:1]),
-                         llama.init_cache(cfg, 1, 8)).logits[0, -1]
+  logits = decoder.forward(params, cfg, jnp.array(prompt[:1]),
+                         decoder.init_cache(cfg, 1, 8)).logits[0, -1]
   probs = np.asarray(warp(logits, sp), np.float64)
   support = probs > 0
   assert drawn[~support].sum() == 0

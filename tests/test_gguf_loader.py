@@ -20,7 +20,7 @@ import torch
 import transformers
 from gguf import GGMLQuantizationType as QType
 
-from specjax.models import gguf_loader, llama
+from specjax.models import decoder, gguf_loader, layers
 from specjax.models.gguf_loader import load_gguf
 from specjax.models.hf_loader import config_from_hf
 from specjax.models.weights import WeightError
@@ -175,8 +175,8 @@ def _params_as_hf(params, cfg) -> dict[str, np.ndarray]:
     out["lm_head.weight"] = np.asarray(params.lm_head)
   for i, lp in enumerate(jax.tree_util.tree_map(np.asarray, params.layers)):
     p = f"model.layers.{i}."
-    q, k, v = llama.split_qkv(lp.wqkv, cfg.num_kv_heads, cfg.head_dim)
-    gate, up = llama.split_gate_up(lp.w_gate_up)
+    q, k, v = decoder.split_qkv(lp.wqkv, cfg.num_kv_heads, cfg.head_dim)
+    gate, up = layers.split_gate_up(lp.w_gate_up)
     out.update({
         p + "input_layernorm.weight": lp.attn_norm,
         p + "self_attn.q_proj.weight": q.T,
@@ -196,8 +196,8 @@ def _tokens(vocab: int) -> np.ndarray:
 
 
 def _logits(params, cfg, tokens) -> np.ndarray:
-  return np.asarray(llama.forward(params, cfg, tokens,
-                                  llama.init_cache(cfg, 2, S)).logits)
+  return np.asarray(decoder.forward(params, cfg, tokens,
+                                  decoder.init_cache(cfg, 2, S)).logits)
 
 
 def _torch_logits(model, tokens) -> np.ndarray:

@@ -15,7 +15,8 @@ from specjax.heads.medusa import MedusaHead
 from specjax.heads.vocab import build_draft_vocab
 from specjax.sampling import SamplingParams
 from specjax.training.ttt import TTTBatch, loss_rows, medusa_loss
-from tests.test_eagle_ttt import decoder, greedy_batch, overfit
+from specjax.models.decoder import Decoder
+from tests.test_eagle_ttt import greedy_decode, greedy_batch, overfit
 
 # D=24, V=37, Vd=29, T=11, 3 depths; the tap is the last layer's output.
 CFG = HeadConfig(target_dim=24, target_vocab=37, target_layers=3, taps=(3,),
@@ -92,7 +93,7 @@ def test_medusa_drafts_each_depths_top_k(tmp_path):
   draft k is depth k's argmax; in the static tree 2x2x1 a node at depth d
   and sibling rank r is depth d-1's r-th best token; K past the head's
   depths is refused."""
-  from specjax.models import llama
+  from specjax.models import decoder
   tcfg, tparams = _tiny(tmp_path)
   cfg = dataclasses.replace(CFG, draft_vocab=37)
   vocab = build_draft_vocab([np.arange(37)], 37, 37)
@@ -105,13 +106,13 @@ def test_medusa_drafts_each_depths_top_k(tmp_path):
     dcfg = engine.DecodeConfig(capacity=64, drafter=drafter, num_draft=k,
                                tree_nodes=nodes)
     st = engine.prefill(tparams, prompt_BT, lengths, jax.random.key(0), 8,
-                        model_cfg=tcfg, dcfg=dcfg, drafter_params=dparams)
+                        target=Decoder(tcfg), dcfg=dcfg, drafter_params=dparams)
     return (dparams, st.drafter_state, st.tokens, st.num_tokens,
             jax.random.key(1), k)
 
   want = []  # [B, depth, ranks]: each depth's ranking, from a plain forward
   for b, p in enumerate(prompts):
-    out = llama.forward(tparams, tcfg, jnp.asarray([p]), llama.init_cache(
+    out = decoder.forward(tparams, tcfg, jnp.asarray([p]), decoder.init_cache(
         tcfg, 1, 16, jnp.float32), taps=(3,))
     call = head_call(cfg, dparams.head)
     h = call("features", out.taps[0][:, len(p) - 1])
@@ -149,8 +150,8 @@ def test_medusa_greedy_identity_and_trained_acceptance(tmp_path):
   tcfg, tparams = _tiny(tmp_path)
   cfg = dataclasses.replace(CFG, draft_vocab=37)
   vocab = build_draft_vocab([np.arange(37)], 37, 37)
-  head = init_head(jax.random.key(0), cfg, tparams, vocab)
-  decode = decoder(tparams, tcfg, PROMPTS)
+  head = init_head(jax.random.key(0), cfg, Decoder(tcfg), tparams, vocab)
+  decode = greedy_decode(tparams, tcfg, PROMPTS)
   run = lambda dcfg, head=None: decode(dcfg, head and MedusaParams(
       head=head, draft_ids=jnp.asarray(vocab.ids)))
 

@@ -6,6 +6,7 @@ import pytest
 
 from specjax import methods
 from specjax.models import registry
+from specjax.models.decoder import Decoder
 
 
 class _OtherTokenizer:
@@ -24,7 +25,7 @@ def test_draft_model_must_share_the_tokenizer(smollm2, monkeypatch, change,
   cfg = smollm2.config
   if "vocab" in change:
     cfg = dataclasses.replace(cfg, vocab_size=change["vocab"])
-  draft = registry.Model(config=cfg, params=None,
+  draft = registry.Model(target=Decoder(cfg), params=None,
                          tokenizer=change.get("tokenizer", smollm2.tokenizer))
   monkeypatch.setattr(registry, "load_model", lambda name: draft)
   with pytest.raises(methods.MethodError, match=needle):

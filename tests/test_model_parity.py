@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from specjax.models import llama
+from specjax.models import decoder, layers
 from specjax.models.hf_loader import load_hf
 from tests.tiny_hf import TINY_CONFIGS, make_tiny
 
@@ -30,7 +30,7 @@ def test_full_forward_matches_transformers(tiny):
   """Invariant: logits of a full forward equal transformers' (max |Δ| < 1e-4, f32)."""
   model, cfg, params = tiny
   tokens = jax.random.randint(jax.random.key(1), (2, T), 0, cfg.vocab_size)
-  out = llama.forward(params, cfg, tokens, llama.init_cache(cfg, 2, S))
+  out = decoder.forward(params, cfg, tokens, decoder.init_cache(cfg, 2, S))
   ref = _torch_logits(model, tokens)
   assert out.logits.shape == ref.shape
   np.testing.assert_array_less(np.abs(np.asarray(out.logits) - ref).max(), 1e-4)
@@ -41,9 +41,9 @@ def test_prefill_then_decode_equals_full_forward(tiny):
   """Invariant: prefill of a prefix + one-token decode steps = one full forward."""
   _, cfg, params = tiny
   tokens = jax.random.randint(jax.random.key(2), (2, T), 0, cfg.vocab_size)
-  full = llama.forward(params, cfg, tokens, llama.init_cache(cfg, 2, S)).logits
-  fwd = jax.jit(lambda p, t, c: llama.forward(p, cfg, t, c))
-  out = fwd(params, tokens[:, :5], llama.init_cache(cfg, 2, S))
+  full = decoder.forward(params, cfg, tokens, decoder.init_cache(cfg, 2, S)).logits
+  fwd = jax.jit(lambda p, t, c: decoder.forward(p, cfg, t, c))
+  out = fwd(params, tokens[:, :5], decoder.init_cache(cfg, 2, S))
   pieces, cache = [out.logits], out.cache
   for t in range(5, T):
     out = fwd(params, tokens[:, t:t + 1], cache)
@@ -62,15 +62,15 @@ def test_ragged_batch_equals_rows_alone(tiny):
   seqs = np.asarray(jax.random.randint(jax.random.key(3), (3, T), 0,
                                        cfg.vocab_size))
   padded = np.where(np.arange(T)[None] < lengths[:, None], seqs, 0)
-  out = llama.forward(params, cfg, jnp.asarray(padded[:, :11]),
-                      llama.init_cache(cfg, 3, S))
+  out = decoder.forward(params, cfg, jnp.asarray(padded[:, :11]),
+                      decoder.init_cache(cfg, 3, S))
   cache = out.cache.with_lengths(lengths)
   nxt = seqs[np.arange(3), lengths][:, None]
-  step = llama.forward(params, cfg, jnp.asarray(nxt), cache)
+  step = decoder.forward(params, cfg, jnp.asarray(nxt), cache)
   for b in range(3):
     alone = np.concatenate([seqs[b, :lengths[b]], nxt[b]])[None]
-    ref = llama.forward(params, cfg, jnp.asarray(alone),
-                        llama.init_cache(cfg, 1, S)).logits
+    ref = decoder.forward(params, cfg, jnp.asarray(alone),
+                        decoder.init_cache(cfg, 1, S)).logits
     np.testing.assert_allclose(out.logits[b, :lengths[b]],
                                ref[0, :lengths[b]], atol=2e-5)
     np.testing.assert_allclose(step.logits[b, 0], ref[0, -1], atol=2e-5)
@@ -82,7 +82,7 @@ def test_taps_are_layer_inputs(tiny):
   model, cfg, params = tiny
   tokens = jax.random.randint(jax.random.key(4), (1, 6), 0, cfg.vocab_size)
   taps = (0, 1, cfg.num_layers)
-  out = llama.forward(params, cfg, tokens, llama.init_cache(cfg, 1, S),
+  out = decoder.forward(params, cfg, tokens, decoder.init_cache(cfg, 1, S),
                       taps=taps)
   with torch.no_grad():
     hs = model(torch.tensor(np.asarray(tokens)),
@@ -90,7 +90,8 @@ def test_taps_are_layer_inputs(tiny):
   for i, tap in enumerate(taps[:-1]):
     np.testing.assert_allclose(out.taps[i], hs[tap].numpy(), atol=1e-5)
   # transformers' last entry has the final norm applied; ours must not.
-  normed = llama.rms_norm(out.taps[-1], params.final_norm, cfg.norm_eps)
+  scale_D, eps = decoder.Decoder(cfg).output_norm(params)
+  normed = layers.rms_norm(out.taps[-1], scale_D, eps)
   np.testing.assert_allclose(normed, hs[-1].numpy(), atol=1e-5)
 
 
@@ -124,16 +125,16 @@ def test_tree_mask_and_positions(tiny):
   seq = np.asarray(jax.random.randint(jax.random.key(6), (1, 7), 0,
                                       cfg.vocab_size))
   prefix, x0, x1, x2 = seq[:, :4], seq[:, 4:5], seq[:, 5:6], seq[:, 6:7]
-  cache = llama.forward(params, cfg, jnp.asarray(prefix),
-                        llama.init_cache(cfg, 1, S)).cache
+  cache = decoder.forward(params, cfg, jnp.asarray(prefix),
+                        decoder.init_cache(cfg, 1, S)).cache
   mask = jnp.array([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], bool)
-  tree = llama.forward(params, cfg, jnp.asarray(np.concatenate([x0, x1, x2], 1)),
+  tree = decoder.forward(params, cfg, jnp.asarray(np.concatenate([x0, x1, x2], 1)),
                        cache, positions_BT=jnp.array([[4, 5, 5]]),
                        mask_BTT=mask)
   for node, leaf in ((1, x1), (2, x2)):
     chain = np.concatenate([prefix, x0, leaf], 1)
-    ref = llama.forward(params, cfg, jnp.asarray(chain),
-                        llama.init_cache(cfg, 1, S)).logits
+    ref = decoder.forward(params, cfg, jnp.asarray(chain),
+                        decoder.init_cache(cfg, 1, S)).logits
     np.testing.assert_allclose(tree.logits[0, node], ref[0, -1], atol=2e-5)
   np.testing.assert_allclose(tree.logits[0, 0], ref[0, 4], atol=2e-5)
 
@@ -166,10 +167,11 @@ def test_rope_tables_are_computed_once_per_forward(tiny):
   import dataclasses
   import re
   _, cfg, _ = tiny
-  cfg = dataclasses.replace(cfg, num_layers=6)
-  params = llama.random_params(jax.random.key(0), cfg)
-  hlo = jax.jit(lambda p, t, c: llama.forward(p, cfg, t, c).logits).lower(
+  cfg = dataclasses.replace(cfg, num_layers=6, layer_types=(),
+                            local_rope_theta=None)
+  params = decoder.random_params(jax.random.key(0), cfg)
+  hlo = jax.jit(lambda p, t, c: decoder.forward(p, cfg, t, c).logits).lower(
       params, jnp.zeros((1, 8), jnp.int32),
-      llama.init_cache(cfg, 1, S)).compile().as_text()
+      decoder.init_cache(cfg, 1, S)).compile().as_text()
   counts = [len(re.findall(rf"\b{op}\(", hlo)) for op in ("cosine", "sine")]
   assert counts[0] <= 2 and counts[1] <= 2, counts

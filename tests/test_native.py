@@ -164,13 +164,13 @@ def test_attention_equals_xla_and_never_reads_stale_slots(B, T, N, G, H, S,
                                                          lengths):
   """Invariants: attention of T new tokens over a ragged cache prefix plus
   their own keys/values under a random tree mask (each token sees itself):
-  the native kernel equals ``llama.attention`` (1e-5); that equals the new
+  the native kernel equals ``layers.attention`` (1e-5); that equals the new
   entries written into the cache and attended there (``query_mask``,
   ``new=None``: the EAGLE heads' form) wherever they fit; with NaN/inf in
   every cache slot past a row's prefix nothing changes: stale slots are
   not read, by either."""
   from specjax.cache import KVCache, write_kv
-  from specjax.models import llama
+  from specjax.models import decoder, layers
   rng = np.random.default_rng(B * T * S)
   normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)
   q, k, v = normal(B, T, N, H), normal(B, G, H, S), normal(B, G, S, H)
@@ -179,13 +179,13 @@ def test_attention_equals_xla_and_never_reads_stale_slots(B, T, N, G, H, S,
   mask = jnp.asarray(rng.random((B, T, T)) < 0.5) | jnp.eye(T, dtype=bool)[None]
   prefix = (jnp.arange(S)[None, :] < lens[:, None])[:, None, :]
   new = (k_new, v_new, jnp.repeat(mask, N // G, axis=1))
-  ref = llama.attention(q, k, v, prefix, new=new)
+  ref = layers.attention(q, k, v, prefix, new=new)
   f = jax.jit(native.attention)
   np.testing.assert_allclose(f(q, k, v, k_new, v_new, lens, mask), ref,
                              atol=1e-5)
   kw, vw = write_kv(jnp.asarray(k), jnp.asarray(v), k_new, v_new,
                     KVCache(k=(k,), v=(v,), lengths=lens).new_slots(T))
-  written = llama.attention(q, kw, vw, llama.query_mask(lens, mask, S,
+  written = layers.attention(q, kw, vw, layers.query_mask(lens, mask, S,
                                                         N // G))
   for b in range(B):
     if lengths[b] + T <= S:
@@ -195,7 +195,7 @@ def test_attention_equals_xla_and_never_reads_stale_slots(B, T, N, G, H, S,
   np.testing.assert_allclose(f(q, k, v, k_new, v_new, lens, mask), ref,
                              atol=1e-5)
   # XLA's attention (GPU/TPU, bf16, prefill) ignores them too.
-  np.testing.assert_allclose(llama.attention(q, k, v, prefix, new=new), ref,
+  np.testing.assert_allclose(layers.attention(q, k, v, prefix, new=new), ref,
                              atol=1e-5)
 
 
@@ -208,22 +208,22 @@ def test_forward_without_writing_leaves_the_cache_untouched(tmp_path,
   values, same lengths) and, as ``new_kv``, exactly the entries the writing
   forward put at ``lengths + t``; ``KVCache.write`` of them rebuilds that
   cache."""
-  from specjax.models import llama
+  from specjax.models import decoder, layers
   from specjax.models.hf_loader import load_hf
   from tests.tiny_hf import make_tiny
   make_tiny("llama_gqa_tied", tmp_path, seed=6)
   cfg, params = load_hf(tmp_path)
-  params = llama.pack_params(params) if packed else params
+  params = decoder.pack_params(params) if packed else params
   rng = np.random.default_rng(8)
   prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
-  pre = llama.forward(params, cfg, prompt, llama.init_cache(cfg, 2, 32))
+  pre = decoder.forward(params, cfg, prompt, decoder.init_cache(cfg, 2, 32))
   cache = pre.cache.with_lengths(jnp.asarray([9, 4], jnp.int32))
   new = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
   parents = jnp.asarray([[0, 0, 0, 1, 2]] * 2, jnp.int32)
   from specjax import tree
   anc = tree.ancestors(parents, jnp.ones((2, 5), bool))
   pos = tree.positions(cache.lengths, anc)
-  fwd = jax.jit(lambda c, w: llama.forward(params, cfg, new, c,
+  fwd = jax.jit(lambda c, w: decoder.forward(params, cfg, new, c,
                                            positions_BT=pos, mask_BTT=anc,
                                            write_cache=w),
                 static_argnums=1)
@@ -240,10 +240,10 @@ def test_forward_without_writing_leaves_the_cache_untouched(tmp_path,
 def _logits(params, cfg, prompt_BT, new_BT):
   """Logits of a prefill over ``prompt_BT`` and of a verify-like forward
   over ``new_BT`` on top of it."""
-  from specjax.models import llama
+  from specjax.models import decoder, layers
   B = prompt_BT.shape[0]
-  fwd = jax.jit(lambda p, t, c: llama.forward(p, cfg, t, c))
-  first = fwd(params, prompt_BT, llama.init_cache(cfg, B, 64))
+  fwd = jax.jit(lambda p, t, c: decoder.forward(p, cfg, t, c))
+  first = fwd(params, prompt_BT, decoder.init_cache(cfg, B, 64))
   return first.logits, fwd(params, new_BT, first.cache).logits
 
 
@@ -260,14 +260,14 @@ def test_packed_model_decodes_like_the_plain_one(tmp_path):
   speculative decoding emit the plain model's greedy tokens."""
   from specjax import engine
   from specjax.drafters import NGramDrafter
-  from specjax.models import llama
+  from specjax.models import decoder, layers
   from specjax.models.hf_loader import load_hf
   from tests.test_speculative import _run
   from tests.tiny_hf import make_tiny
   make_tiny("llama_gqa_tied", tmp_path, seed=5)
   cfg, params = load_hf(tmp_path)
-  packed = llama.pack_params(params)
-  assert isinstance(packed.layers[0].wqkv, llama.PackedWeight)
+  packed = decoder.pack_params(params)
+  assert isinstance(packed.layers[0].wqkv, layers.PackedWeight)
   rng = np.random.default_rng(3)
   prompt, new = (jnp.asarray(rng.integers(0, cfg.vocab_size, (3, t)),
                              jnp.int32) for t in (13, 5))
@@ -284,15 +284,15 @@ def test_packed_smollm2_logits_equal_xla(smollm2):
   """Invariant: on SmolLM2-135M (real weights, a real prompt) the packed
   model's prefill and 8-token verify logits equal XLA's to 1e-5 of the
   largest."""
-  from specjax.models import llama
+  from specjax.models import decoder, layers
   ids = smollm2.tokenizer.encode("The capital of France is Paris. The "
                                  "capital of Italy is")
   prompt = jnp.asarray([ids, ids[::-1]], jnp.int32)
   new = jnp.asarray([ids[:8], ids[-8:]], jnp.int32)
   from specjax.models.registry import load_model
   plain = load_model("smollm2-135m", native=False).params
-  packed = llama.pack_params(plain)
-  np.testing.assert_array_equal(llama.lm_head_VD(packed), plain.embed)
+  packed = decoder.pack_params(plain)
+  np.testing.assert_array_equal(decoder.lm_head_VD(packed), plain.embed)
   for a, b in zip(_logits(packed, smollm2.config, prompt, new),
                   _logits(plain, smollm2.config, prompt, new)):
     _assert_close(a, b)
@@ -310,7 +310,7 @@ def test_packed_head_equals_plain(variant, in_bf16):
   from flax.traverse_util import flatten_dict
 
   from specjax.heads.eagle import HeadConfig, head_module, pack_head
-  from specjax.models import llama
+  from specjax.models import decoder, layers
   cfg = HeadConfig(target_dim=48, target_vocab=101, target_layers=4,
                    taps=(4,) if variant == "eagle1" else (1, 2, 3),
                    num_heads=4, num_kv_heads=2, head_dim=12, ffn_dim=80,
@@ -329,7 +329,7 @@ def test_packed_head_equals_plain(variant, in_bf16):
       params = jax.tree.map(
           lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), params)
     packed = pack_head(params)
-    assert isinstance(packed["lm_head"]["kernel"], llama.PackedWeight)
+    assert isinstance(packed["lm_head"]["kernel"], layers.PackedWeight)
     assert packed["lm_head"]["kernel"].panels.dtype == (
         jnp.bfloat16 if in_bf16 else jnp.float32)
     assert flatten_dict(packed).keys() == flatten_dict(params).keys()
@@ -342,9 +342,9 @@ def test_shipped_head_is_packed_on_a_packed_target(smollm2):
   runs on the native path (``load_model``'s CPU default), so drafting reads
   the head's weights with the same kernel, in bf16 (the file's precision)."""
   from specjax import methods
-  from specjax.models import llama
-  assert llama.is_packed(smollm2.params)
+  from specjax.models import decoder, layers
+  assert decoder.is_packed(smollm2.params)
   _, dparams = methods.build(smollm2, methods.MethodSpec("eagle3",
                                                          num_draft=2))
-  assert isinstance(dparams.head["wq"]["kernel"], llama.PackedWeight)
+  assert isinstance(dparams.head["wq"]["kernel"], layers.PackedWeight)
   assert dparams.head["lm_head"]["kernel"].panels.dtype == jnp.bfloat16

@@ -12,6 +12,7 @@ from specjax import bucketing, engine, verify
 from specjax.drafters import NGramDrafter
 from specjax.models.hf_loader import load_hf
 from specjax.sampling import SamplingParams, warp
+from specjax.models.decoder import Decoder
 from tests.tiny_hf import make_tiny
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 1, 9, 1, 9],
@@ -34,7 +35,7 @@ def _run(params, cfg, prompts, max_new=14, seed=0, sampling=SamplingParams(),
          drafter_params=None, **kw):
   prompt_BT, lengths = bucketing.pad_prompts(prompts)
   st_ = engine.generate_jit(params, prompt_BT, lengths, jax.random.key(seed),
-                            np.int32(max_new), model_cfg=cfg,
+                            np.int32(max_new), target=Decoder(cfg),
                             dcfg=engine.DecodeConfig(capacity=64,
                                                      sampling=sampling, **kw),
                             drafter_params=drafter_params)
@@ -73,7 +74,7 @@ def test_nonfinite_logits_stop_the_row_where_ar_would(tiny, method):
   clean, _ = _run(params, cfg, PROMPTS)
   t, j = _poison(clean)
   bad = params.replace(embed=params.embed.at[t].set(jnp.nan))
-  kw = (dict(drafter=DraftModelDrafter(cfg), num_draft=3,
+  kw = (dict(drafter=DraftModelDrafter(Decoder(cfg)), num_draft=3,
              drafter_params=params) if method == "draft_model"
         else METHODS[method])
   out, why = _run(bad, cfg, PROMPTS + [[t, 5]], **kw)
@@ -182,7 +183,7 @@ def test_prompt_at_the_context_limit(tiny):
   from specjax import runner
   from specjax.models.registry import Model
   cfg, params = tiny
-  model = Model(config=cfg, params=params, tokenizer=None)
+  model = Model(target=Decoder(cfg), params=params, tokenizer=None)
   prompt = [[3, 4] * ((cfg.max_position - 4) // 2)]
   assert len(prompt[0]) + 4 == cfg.max_position
   outs = [runner.generate_ids(model, prompt, max_new_tokens=4, **kw).rows[0]
@@ -201,25 +202,25 @@ def rollback_programs(tiny):
   score a block of T tokens, keep ``keep[b]`` of them by lengths, feed one
   more token) and ``fresh`` (the committed tokens from scratch, then the
   same token)."""
-  from specjax.models import llama
+  from specjax.models import decoder
   cfg, params = tiny
   B, T, S = _ROLLBACK_B, _ROLLBACK_T, _ROLLBACK_S
 
   @jax.jit
   def block(prompt_BP, lengths_B, block_BT, keep_B, next_B):
-    cache = llama.forward(params, cfg, prompt_BP,
-                          llama.init_cache(cfg, B, S)).cache
+    cache = decoder.forward(params, cfg, prompt_BP,
+                          decoder.init_cache(cfg, B, S)).cache
     cache = cache.with_lengths(lengths_B)
-    out = llama.forward(params, cfg, block_BT, cache, write_cache=False)
+    out = decoder.forward(params, cfg, block_BT, cache, write_cache=False)
     cache = cache.write(out.new_kv, cache.new_slots(T)).with_lengths(
         lengths_B + keep_B)
-    return llama.forward(params, cfg, next_B[:, None], cache).logits[:, 0]
+    return decoder.forward(params, cfg, next_B[:, None], cache).logits[:, 0]
 
   @jax.jit
   def fresh(seq_BX, lengths_B, next_B):
-    cache = llama.forward(params, cfg, seq_BX,
-                          llama.init_cache(cfg, B, S)).cache
-    return llama.forward(params, cfg, next_B[:, None],
+    cache = decoder.forward(params, cfg, seq_BX,
+                          decoder.init_cache(cfg, B, S)).cache
+    return decoder.forward(params, cfg, next_B[:, None],
                          cache.with_lengths(lengths_B)).logits[:, 0]
   return block, fresh
 

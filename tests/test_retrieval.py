@@ -13,6 +13,7 @@ from specjax.drafters.retrieval import (Datastore, RetrievalDrafter,
                                         sharegpt_datastore)
 from specjax.models.hf_loader import load_hf
 from specjax.models.tokenizer import Tokenizer
+from specjax.models.decoder import Decoder
 from tests.tiny_hf import make_tiny
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 1, 9, 1, 9],
@@ -167,7 +168,7 @@ def test_lookup_drafts_ngram_then_retrieval():
 def _run(params, cfg, dcfg, drafter_params=None, max_new=24):
   prompt_BT, lengths = bucketing.pad_prompts(PROMPTS)
   state = engine.generate_jit(params, prompt_BT, lengths, jax.random.key(0),
-                              np.int32(max_new), model_cfg=cfg, dcfg=dcfg,
+                              np.int32(max_new), target=Decoder(cfg), dcfg=dcfg,
                               drafter_params=drafter_params)
   return [state.tokens[b, lengths[b]:state.num_tokens[b]].tolist()
           for b in range(len(PROMPTS))], state
@@ -225,7 +226,7 @@ def test_head_tree_with_the_lookup_trie_equals_ar(tiny):
   V = cfg.vocab_size
   hcfg = HeadConfig.for_target(cfg, V, taps=(0, 1, 2))
   vocab = build_draft_vocab([np.arange(V)], V, V)
-  head = EagleParams(head=init_head(jax.random.key(0), hcfg, params, vocab),
+  head = EagleParams(head=init_head(jax.random.key(0), hcfg, Decoder(cfg), params, vocab),
                      draft_ids=jnp.asarray(vocab.ids), embed=params.embed)
   eagle = EagleDrafter(hcfg, tree_width=2)
   alone, st_alone = _run(params, cfg, engine.DecodeConfig(

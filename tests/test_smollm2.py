@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from specjax import assets, runner
-from specjax.models import llama
+from specjax.models import decoder
+from specjax.models.decoder import Decoder
 
 PROMPTS = [
     "Write a Python function that reverses a string.",
@@ -30,8 +31,8 @@ def test_prefill_logits_match_transformers(smollm2, hf_model):
   max |Δ| < 1e-3 over 49152-way logits of magnitude ~20) with the same argmax."""
   ids = smollm2.tokenizer.encode_chat(PROMPTS[0])
   cfg = smollm2.config
-  out = llama.forward(smollm2.params, cfg, np.array([ids], np.int32),
-                      llama.init_cache(cfg, 1, 64))
+  out = decoder.forward(smollm2.params, cfg, np.array([ids], np.int32),
+                      decoder.init_cache(cfg, 1, 64))
   with torch.no_grad():
     ref = hf_model(torch.tensor([ids])).logits.numpy()
   ours = np.asarray(out.logits)
@@ -67,7 +68,7 @@ def _drafter(smollm2, method, tmp_path_factory):
   if method in ("ngram", "ngram_tree"):
     return NGramDrafter(), None, 4
   if method == "layerskip_dynamic_k":
-    return (LayerSkipDrafter.from_target(cfg, 24, min_confidence=0.6),
+    return (LayerSkipDrafter.from_target(Decoder(cfg), 24, min_confidence=0.6),
             smollm2.params, 3)
   if method in ("retrieval", "retrieval_tree"):  # the second call loads it
     table = sharegpt_datastore(smollm2.tokenizer, num_conversations=300,
@@ -84,7 +85,7 @@ def _drafter(smollm2, method, tmp_path_factory):
     vocab = build_draft_vocab([np.arange(2048)], cfg.vocab_size, 2048,
                               always=cfg.eos_ids)
     hcfg = HeadConfig.for_target(cfg, vocab.size)
-    head = init_head(jax.random.key(0), hcfg, smollm2.params, vocab)
+    head = init_head(jax.random.key(0), hcfg, smollm2.target, smollm2.params, vocab)
     return (EagleDrafter(hcfg),
             EagleParams(head=head, draft_ids=jnp.asarray(vocab.ids),
                          embed=smollm2.params.embed), 3)
@@ -169,9 +170,9 @@ def test_greedy_identical_on_xla_dot(smollm2, ar_rows):
   (``native=False``) emits the same greedy tokens for the same ragged
   batch."""
   from specjax.models.registry import load_model
-  assert llama.is_packed(smollm2.params)
+  assert decoder.is_packed(smollm2.params)
   plain = load_model("smollm2-135m", native=False)
-  assert not llama.is_packed(plain.params)
+  assert not decoder.is_packed(plain.params)
   prompts, ar = ar_rows
   xla = runner.generate_ids(plain, prompts, max_new_tokens=40)
   assert [r.output_ids for r in xla.rows] == [r.output_ids for r in ar.rows]

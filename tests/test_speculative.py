@@ -9,6 +9,7 @@ from specjax import bucketing, engine
 from specjax.drafters import NGramDrafter
 from specjax.models.hf_loader import load_hf
 from specjax.sampling import SamplingParams, warp
+from specjax.models.decoder import Decoder
 from tests.tiny_hf import make_tiny
 
 # Repetitive prompts so prompt lookup has something to find.
@@ -46,7 +47,7 @@ def test_ngram_proposals():
 def _run(params, cfg, dcfg, max_new=24, seed=0):
   prompt_BT, lengths = bucketing.pad_prompts(PROMPTS)
   state = engine.generate_jit(params, prompt_BT, lengths, jax.random.key(seed),
-                              np.int32(max_new), model_cfg=cfg, dcfg=dcfg)
+                              np.int32(max_new), target=Decoder(cfg), dcfg=dcfg)
   outs = [state.tokens[b, lengths[b]:state.num_tokens[b]].tolist()
           for b in range(len(PROMPTS))]
   return outs, state
@@ -111,7 +112,7 @@ def test_steps_without_drafts_verify_one_token(tiny, how):
   for dcfg in (engine.DecodeConfig(capacity=64),
                engine.DecodeConfig(capacity=64, **NGRAM[how])):
     st = engine.generate_jit(params, prompt_BT, lengths, jax.random.key(0),
-                             np.int32(32), model_cfg=cfg, dcfg=dcfg)
+                             np.int32(32), target=Decoder(cfg), dcfg=dcfg)
     outs.append(st.tokens[0, lengths[0]:st.num_tokens[0]].tolist())
   assert outs[0] == outs[1]
   assert 0 < int(st.num_wide) < int(st.num_steps), (st.num_wide, st.num_steps)
@@ -168,10 +169,10 @@ def test_draft_model_greedy_identity(tiny, tiny_draft):
   prompt_BT, lengths = bucketing.pad_prompts(PROMPTS)
 
   def spec(draft_cfg, draft_params):
-    dcfg = engine.DecodeConfig(capacity=96, drafter=DraftModelDrafter(draft_cfg),
+    dcfg = engine.DecodeConfig(capacity=96, drafter=DraftModelDrafter(Decoder(draft_cfg)),
                                num_draft=k)
     st = engine.generate_jit(params, prompt_BT, lengths, jax.random.key(0),
-                             np.int32(30), model_cfg=cfg, dcfg=dcfg,
+                             np.int32(30), target=Decoder(cfg), dcfg=dcfg,
                              drafter_params=draft_params)
     return [st.tokens[b, lengths[b]:st.num_tokens[b]].tolist()
             for b in range(len(PROMPTS))], st
@@ -200,10 +201,10 @@ def test_layer_skip_and_dynamic_k_greedy_identity(tiny):
   k = 4
 
   def spec(min_conf):
-    drafter = LayerSkipDrafter.from_target(cfg, 1, min_confidence=min_conf)
+    drafter = LayerSkipDrafter.from_target(Decoder(cfg), 1, min_confidence=min_conf)
     st = engine.generate_jit(
         params, prompt_BT, lengths, jax.random.key(0), np.int32(30),
-        model_cfg=cfg, dcfg=engine.DecodeConfig(capacity=96, drafter=drafter,
+        target=Decoder(cfg), dcfg=engine.DecodeConfig(capacity=96, drafter=drafter,
                                                 num_draft=k),
         drafter_params=params)
     return [st.tokens[b, lengths[b]:st.num_tokens[b]].tolist()
@@ -219,7 +220,7 @@ def test_layer_skip_and_dynamic_k_greedy_identity(tiny):
   assert drafted_dyn.sum() < drafted_fixed.sum()
   assert (drafted_dyn <= k * np.asarray(st_dyn.num_forwards)).all()
   with pytest.raises(ValueError, match=f"layers < {cfg.num_layers}"):
-    LayerSkipDrafter.from_target(cfg, cfg.num_layers)
+    LayerSkipDrafter.from_target(Decoder(cfg), cfg.num_layers)
 
 
 def _joint_first_two(params, cfg, draft, n=50_000, min_conf=0.1, seed=0):
@@ -227,22 +228,22 @@ def _joint_first_two(params, cfg, draft, n=50_000, min_conf=0.1, seed=0):
   histogram of (generated token 1, generated token 2) and the exact joint
   q(t1) q(t2 | t1) from the target."""
   from specjax.drafters import DraftModelDrafter
-  from specjax.models import llama
+  from specjax.models import decoder
   dcfg_, dparams = draft
   prompt = [5, 6, 7]
   prompt_BT = jnp.tile(jnp.array([prompt], jnp.int32), (n, 1))
   dcfg = engine.DecodeConfig(capacity=16, sampling=SamplingParams(1.0),
-                             drafter=DraftModelDrafter(dcfg_, min_conf),
+                             drafter=DraftModelDrafter(Decoder(dcfg_), min_conf),
                              num_draft=2)
   st = engine.generate_jit(params, prompt_BT, jnp.full((n,), 3, jnp.int32),
-                           jax.random.key(seed), np.int32(2), model_cfg=cfg,
+                           jax.random.key(seed), np.int32(2), target=Decoder(cfg),
                            dcfg=dcfg, drafter_params=dparams)
   t1, t2 = np.asarray(st.tokens[:, 3]), np.asarray(st.tokens[:, 4])
   V = cfg.vocab_size
   counts = np.bincount(t1 * V + t2, minlength=V * V)
   seqs = jnp.array([prompt + [t] for t in range(V)], jnp.int32)
-  logits = llama.forward(params, cfg, seqs,
-                         llama.init_cache(cfg, V, 8)).logits
+  logits = decoder.forward(params, cfg, seqs,
+                         decoder.init_cache(cfg, V, 8)).logits
   q1 = jax.nn.softmax(logits[0, 2])
   q2 = jax.nn.softmax(logits[:, 3])
   expected = np.asarray(q1[:, None] * q2).ravel() * n
@@ -294,12 +295,12 @@ def test_tree_logits_equal_each_path_run_alone(tiny):
   root path run alone (f32, 1e-5) -- a causal mask, index positions or a
   missing root column would break it."""
   from specjax import tree as trees
-  from specjax.models import llama
+  from specjax.models import decoder
   cfg, params = tiny
-  forward = jax.jit(llama.forward, static_argnums=1)
+  forward = jax.jit(decoder.forward, static_argnums=1)
   prompts = [[5, 6, 7, 8, 9], [3, 4, 5]]
   prompt_BT, lengths = bucketing.pad_prompts(prompts)
-  pre = forward(params, cfg, prompt_BT, llama.init_cache(cfg, 2, 32))
+  pre = forward(params, cfg, prompt_BT, decoder.init_cache(cfg, 2, 32))
   cache = pre.cache.with_lengths(lengths - 1)  # the last token is the root
   parents = jnp.asarray([[0, 0, 0, 1, 1, 2, 4, 6]] * 2)
   tokens = jnp.asarray([[9, 1, 2, 3, 4, 5, 6, 7], [5, 8, 9, 10, 11, 12, 13,
@@ -316,7 +317,7 @@ def test_tree_logits_equal_each_path_run_alone(tiny):
   L = max(map(len, seqs))
   alone = forward(params, cfg, jnp.asarray([s + [0] * (L - len(s))
                                             for s in seqs]),
-                  llama.init_cache(cfg, len(seqs), 32)).logits
+                  decoder.init_cache(cfg, len(seqs), 32)).logits
   last = jnp.asarray([len(s) - 1 for s in seqs])
   np.testing.assert_allclose(out.logits.reshape(16, -1),
                              alone[jnp.arange(16), last], atol=1e-5)
@@ -350,7 +351,7 @@ def test_tree_steps_keep_sampling_exact(tiny, monkeypatch):
   index in the block instead of its depth (a bug peers shipped) must fail
   the same check."""
   from specjax import tree as trees
-  from specjax.models import llama
+  from specjax.models import decoder
   cfg, params = tiny
   n, V, sp = 50_000, cfg.vocab_size, SamplingParams(0.6)
   prompt = [5, 6, 11, 34, 25, 11, 25, 11, 11, 34, 11]
@@ -358,7 +359,7 @@ def test_tree_steps_keep_sampling_exact(tiny, monkeypatch):
 
   def warped(seqs):
     seqs = jnp.asarray(seqs, jnp.int32)
-    return np.asarray(warp(llama.forward(params, cfg, seqs, llama.init_cache(
+    return np.asarray(warp(decoder.forward(params, cfg, seqs, decoder.init_cache(
         cfg, seqs.shape[0], 32)).logits, sp))
 
   q3 = warped([prompt + [a, b] for a in range(V) for b in range(V)])
@@ -373,7 +374,7 @@ def test_tree_steps_keep_sampling_exact(tiny, monkeypatch):
     st = engine.generate_jit(
         params, jnp.tile(jnp.array([prompt], jnp.int32), (n, 1)),
         jnp.full((n,), L, jnp.int32), jax.random.key(1), np.int32(3),
-        model_cfg=cfg, dcfg=dcfg)
+        target=Decoder(cfg), dcfg=dcfg)
     t = np.asarray(st.tokens[:, L:L + 3])
     return np.bincount((t[:, 0] * V + t[:, 1]) * V + t[:, 2],
                        minlength=V ** 3), st

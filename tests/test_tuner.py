@@ -3,6 +3,7 @@
 import pytest
 
 from specjax import theory, tuner
+from specjax.models.decoder import Decoder
 
 # A memory-bound curve: a verify over t tokens costs barely more than one.
 FLAT = tuner.CostCurve(forward=(0.0,) + tuple(0.030 + 0.001 * t
@@ -171,7 +172,7 @@ def test_measure_costs_times_the_tree_widths(tmp_path):
   from tests.tiny_hf import make_tiny
   make_tiny("llama_gqa_tied", tmp_path, seed=1)
   cfg, params = load_hf(tmp_path)
-  costs = tuner.measure_costs(Model(config=cfg, params=params, tokenizer=None),
+  costs = tuner.measure_costs(Model(target=Decoder(cfg), params=params, tokenizer=None),
                               1, progress=False, context=40, rounds=1)
   assert len(costs.forward) == tuner.K_MAX + 2
   assert [t for t, _ in costs.wide] == list(tuner.TREE_WIDTHS)

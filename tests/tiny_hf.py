@@ -35,13 +35,69 @@ TINY_CONFIGS = {
 }
 
 
+# Every other architecture specjax reads, each with what makes it differ
+# bound: windows shorter than the tests' sequences, soft-caps below the
+# scores, q/k and sandwich norms perturbed away from identity. No EOS (32
+# greedy tokens must not stop early). transformers' eager attention: the
+# reference formulas (sdpa differs by ~1e-5).
+_NO_IDS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None,
+               attn_implementation="eager")
+ARCH_CONFIGS = {
+    # Sliding window on every layer.
+    "mistral_window": lambda: transformers.MistralConfig(
+        vocab_size=45, hidden_size=36, intermediate_size=52,
+        num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=3,
+        head_dim=6, sliding_window=5, tie_word_embeddings=False,
+        max_position_embeddings=64, **_NO_IDS),
+    # q/k norms, head_dim != D / N, sliding top layers (max_window_layers).
+    "qwen3_qknorm": lambda: transformers.Qwen3Config(
+        vocab_size=47, hidden_size=32, intermediate_size=44,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=12, use_sliding_window=True, sliding_window=6,
+        max_window_layers=1, rope_theta=1000.0, tie_word_embeddings=False,
+        max_position_embeddings=64, **_NO_IDS),
+    # Soft-capped scores and logits, alternating windows, sandwich norms,
+    # (1 + w) norms, scaled embedding, query_pre_attn_scalar != head_dim.
+    "gemma2_softcap": lambda: transformers.Gemma2Config(
+        vocab_size=53, hidden_size=40, intermediate_size=30,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=14, query_pre_attn_scalar=20, sliding_window=5,
+        attn_logit_softcapping=1.5, final_logit_softcapping=3.0,
+        max_position_embeddings=64, **_NO_IDS),
+    # Local/global RoPE bases (linear scaling on the global), q/k norms,
+    # sliding and full layers mixed.
+    "gemma3_local_global": lambda: transformers.Gemma3TextConfig(
+        vocab_size=51, hidden_size=48, intermediate_size=34,
+        num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=3,
+        head_dim=10, query_pre_attn_scalar=16, sliding_window=4,
+        layer_types=["sliding_attention", "sliding_attention",
+                     "full_attention", "sliding_attention"],
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 2.0,
+                               "rope_theta": 100000.0},
+            "sliding_attention": {"rope_type": "default",
+                                  "rope_theta": 1000.0}},
+        final_logit_softcapping=4.0, max_position_embeddings=64, **_NO_IDS),
+    # Fused qkv and gate_up projections, a window on every layer.
+    "phi3_fused": lambda: transformers.Phi3Config(
+        vocab_size=55, hidden_size=30, intermediate_size=38,
+        num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=1,
+        sliding_window=6, max_position_embeddings=64,
+        original_max_position_embeddings=64, **_NO_IDS),
+    # Biases on q/k/v/o and the MLP, erf GELU.
+    "llama_bias_gelu": lambda: transformers.LlamaConfig(
+        vocab_size=39, hidden_size=20, intermediate_size=26,
+        num_hidden_layers=2, num_attention_heads=5, num_key_value_heads=5,
+        attention_bias=True, mlp_bias=True, hidden_act="gelu",
+        max_position_embeddings=64, **_NO_IDS),
+}
+
+
 def make_tiny(name: str, directory: pathlib.Path, seed: int = 0):
   """Builds, randomizes and saves a tiny model; returns the torch model."""
   torch.manual_seed(seed)
-  config = TINY_CONFIGS[name]()
-  model_cls = (transformers.Qwen2ForCausalLM if name.startswith("qwen2")
-               else transformers.LlamaForCausalLM)
-  model = model_cls(config).eval()
+  config = {**TINY_CONFIGS, **ARCH_CONFIGS}[name]()
+  model = transformers.AutoModelForCausalLM.from_config(config).eval()
   with torch.no_grad():  # default init leaves norms at 1 and biases at 0
     for p in model.parameters():
       p.add_(0.2 * torch.randn_like(p))

@@ -1,4 +1,4 @@
-"""A separate (smaller) Llama-family model that shares the target's tokenizer.
+"""A separate (smaller) model, any ``Target``, that shares the target's tokenizer.
 
 The drafter keeps its own KV cache with the target's invariant: it holds
 ``num_tokens - 2`` or more committed entries. Each ``propose`` first re-feeds
@@ -17,28 +17,31 @@ and in drafts that would most likely be rejected.
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 import jax.numpy as jnp
 
 from specjax.drafters.base import Proposal
 from specjax.drafters.chain import draft_chain
-from specjax.models import llama
-from specjax.models.config import ModelConfig
+from specjax.models.target import Target
 from specjax.rows import at_rows
 
 
 @dataclasses.dataclass(frozen=True)
 class DraftModelDrafter:
-  """Drafts with ``config``'s model; its ``LlamaParams`` are the drafter params.
+  """Drafts with ``target``'s model (a ``models.target.Target``, e.g. a
+  loaded model's ``Model.target``); its params are the drafter params.
 
   Attributes:
-    config: the draft model's static config (vocab must match the target's).
+    target: the draft model (its vocabulary must be the target's).
     min_confidence: dynamic K threshold on the draft model's top probability
       (0 = always draft K).
+    layers: run only these of the draft model's layers (layer-skip; None:
+      all of them).
   """
-  config: ModelConfig
+  target: Target
   min_confidence: float = 0.0
+  layers: Optional[tuple[int, ...]] = None
   feature_taps: ClassVar[tuple[int, ...]] = ()
 
   def __post_init__(self):
@@ -46,17 +49,16 @@ class DraftModelDrafter:
       raise ValueError(f"min_confidence must be in [0, 1), got "
                        f"{self.min_confidence}")
 
-  def draft_params(self, params):
-    """The draft model's parameters inside the drafter params."""
-    return params
+  def _forward(self, params, tokens_BT, cache, **kw):
+    return self.target.forward(params, tokens_BT, cache, layers=self.layers,
+                               **kw)
 
   def init(self, params, prompt_BT, prompt_lengths_B, capacity, num_draft,
            features=None):
     del num_draft, features
-    params = self.draft_params(params)
-    cache = llama.init_cache(self.config, prompt_BT.shape[0], capacity,
-                             params.embed.dtype)
-    return llama.forward(params, self.config, prompt_BT, cache,
+    cache = self.target.init_cache(params, prompt_BT.shape[0], capacity,
+                                   layers=self.layers)
+    return self._forward(params, prompt_BT, cache,
                          logit_positions_BP=jnp.zeros_like(prompt_BT[:, :1])
                          ).cache.with_lengths(prompt_lengths_B - 1)
 
@@ -68,14 +70,12 @@ class DraftModelDrafter:
 
   def propose(self, params, cache, tokens_BS, num_tokens_B, key, num_draft,
               sampling) -> Proposal:
-    params = self.draft_params(params)
     start_B = jnp.maximum(num_tokens_B - 2, 0)
     pair_B2 = at_rows(tokens_BS, jnp.stack([start_B, num_tokens_B - 1], 1))
-    out = llama.forward(params, self.config, pair_B2,
-                        cache.with_lengths(start_B))
+    out = self._forward(params, pair_B2, cache.with_lengths(start_B))
 
     def step(tok_B, cache):
-      o = llama.forward(params, self.config, tok_B[:, None], cache)
+      o = self._forward(params, tok_B[:, None], cache)
       return o.logits[:, 0], o.cache
 
     drafts_BK, probs_BKV, num_B, cache = draft_chain(
@@ -85,23 +85,17 @@ class DraftModelDrafter:
                     state=cache)
 
 
-@dataclasses.dataclass(frozen=True)
 class LayerSkipDrafter(DraftModelDrafter):
-  """Self-drafting: the target's first ``config.num_layers`` layers, then its
-  final norm and LM head. The drafter params are the target's own params
-  (nothing is copied: the first layers are picked from the per-layer tuple).
-  Build it with ``LayerSkipDrafter.from_target``.
-  """
+  """Self-drafting: the target's first layers, then its final norm and LM
+  head (``Target.forward(layers=...)``). The drafter params are the
+  target's own params (nothing is copied). Build it with
+  ``LayerSkipDrafter.from_target``."""
 
   @classmethod
-  def from_target(cls, target: ModelConfig, num_layers: int,
+  def from_target(cls, target: Target, num_layers: int,
                   min_confidence: float = 0.0) -> "LayerSkipDrafter":
-    if not 1 <= num_layers < target.num_layers:
-      raise ValueError(f"layer-skip needs 1 <= layers < {target.num_layers} "
+    depth = target.config.num_layers
+    if not 1 <= num_layers < depth:
+      raise ValueError(f"layer-skip needs 1 <= layers < {depth} "
                        f"(the target's depth), got {num_layers}")
-    return cls(dataclasses.replace(target, num_layers=num_layers,
-                                   name=f"{target.name}[:{num_layers}]"),
-               min_confidence)
-
-  def draft_params(self, params):
-    return params.replace(layers=params.layers[:self.config.num_layers])
+    return cls(target, min_confidence, tuple(range(num_layers)))

@@ -44,7 +44,7 @@ from specjax.drafters.base import Proposal, TreeProposal
 from specjax.drafters.chain import draft_chain
 from specjax.heads.eagle import HeadConfig, head_call
 from specjax.heads.vocab import full_vocab_logits
-from specjax.models import llama
+from specjax.models import layers
 from specjax.rows import at_rows
 
 
@@ -120,14 +120,14 @@ class EagleDrafter:
     c, cache = self.cfg, state.cache
     if slots_BT is None:
       slots_BT = positions_BT = cache.new_slots(T)
-      visible_BTS = llama.attention_mask(cache.lengths, llama.causal_mask(
+      visible_BTS = layers.attention_mask(cache.lengths, layers.causal_mask(
           B, T), cache.capacity)
     q, k, v, resid = self._call(params, "project", tok_BT, h_BTD,
                                 params.embed, positions_BT)
     kc, vc = write_kv(cache.k[0], cache.v[0], k, v, slots_BT)
     mask_BQS = jnp.repeat(visible_BTS, c.num_heads // c.num_kv_heads, axis=1)
     out = self._call(params, "finish", resid,
-                     llama.attention(q, kc, vc, mask_BQS))
+                     layers.attention(q, kc, vc, mask_BQS))
     return out, state.replace(cache=cache.replace(k=(kc,), v=(vc,)))
 
   def init(self, params: EagleParams, prompt_BT, prompt_lengths_B, capacity,

@@ -12,8 +12,8 @@ layers ``HeadConfig.taps`` -- on a row's first step, and the head's own
 previous output afterwards (the recurrent feature). The module exposes the
 layer in pieces (``features``, ``project``, ``finish``, ``logits``) so the
 attention between ``project`` and ``finish`` is the caller's: drafting runs
-the target's own (``llama.attention`` over a one-layer ``KVCache``, RoPE from
-``llama.rope``), training the TTT block form of the same rule
+the target's own (``layers.attention`` over a one-layer ``KVCache``, RoPE from
+``layers.rope``), training the TTT block form of the same rule
 (``specjax.training.ttt.attend_blocks``, tested equal to it).
 """
 
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from specjax import native
 from specjax.models.config import ModelConfig
-from specjax.models.llama import (PackedWeight, apply_rope, attention,
+from specjax.models.layers import (PackedWeight, apply_rope, attention,
                                   causal_mask, linear, pack_weight,
                                   query_mask, rope, rope_inv_freq)
 
@@ -78,15 +78,16 @@ class HeadConfig:
   @classmethod
   def for_target(cls, target: ModelConfig, draft_vocab: int,
                  variant: str = "eagle3", **overrides) -> "HeadConfig":
-    """Defaults for a target: EAGLE-3 taps the inputs of layers {2, L//2,
-    L-3}; EAGLE-1 the last layer's output (tap L) over the full vocabulary,
+    """Defaults for a target: EAGLE-3 taps three layers' inputs
+    (``eagle3_taps``); EAGLE-1 the last layer's output (tap L) over the full vocabulary,
     Medusa (4 depths) that tap over Vd; all take the target's attention
     shape and MLP width (Medusa uses neither)."""
     L = target.num_layers
     eagle1 = variant == "eagle1"
     kw = dict(target_dim=target.dim, target_vocab=target.vocab_size,
               target_layers=L,
-              taps=(2, L // 2, L - 3) if variant == "eagle3" else (L,),
+              taps=overrides.get("taps") or (
+                  eagle3_taps(L) if variant == "eagle3" else (L,)),
               medusa_heads=4 if variant == "medusa" else 0,
               variant=variant,
               num_heads=target.num_heads, num_kv_heads=target.num_kv_heads,
@@ -106,9 +107,23 @@ class HeadConfig:
       if mine != theirs:
         raise ValueError(f"EAGLE head was trained for a target with {name} "
                          f"{mine}, this target has {theirs}")
-    if max(self.taps) > target.num_layers:
-      raise ValueError(f"EAGLE head taps layer {max(self.taps)}, the target "
-                       f"has {target.num_layers} layers")
+    if max(self.taps) > target.num_layers or min(self.taps) < 0:
+      raise ValueError(f"EAGLE head taps layers {list(self.taps)}; the "
+                       f"target's taps are 0..{target.num_layers}")
+
+
+def eagle3_taps(num_layers: int) -> tuple[int, ...]:
+  """The layers whose inputs an EAGLE-3 head fuses (low, mid, high): the
+  reference's {2, L//2, L-3} where those are distinct (L >= 7), else three
+  distinct layers spread over the depth. A target with fewer than 3
+  layers has no three distinct taps: ValueError (pass ``taps``)."""
+  L = num_layers
+  if L >= 7:
+    return (2, L // 2, L - 3)
+  if L < 3:
+    raise ValueError(f"an EAGLE-3 head fuses three distinct layers; this "
+                     f"target has {L} (give the head its own taps)")
+  return (0, L // 2, L - 1)
 
 
 class Dense(nn.Dense):
@@ -129,7 +144,7 @@ class Dense(nn.Dense):
 
 def pack_head(params):
   """A head's parameters with every dense kernel packed for the native CPU
-  matmul (``specjax.native``), as ``llama.pack_params`` does the target's:
+  matmul (``specjax.native``), as ``decoder.pack_params`` does the target's:
   for drafting on a packed target. Inference only (no VJP). Kernels that
   bf16 holds exactly (the shipped head's, stored in bf16) get bf16 panels:
   drafting reads half the bytes and computes the same f32 products."""

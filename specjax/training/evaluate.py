@@ -54,7 +54,7 @@ def heldout_accuracy(s: Setup, params, num_steps: int = 7,
     part = ex.take(idx)
     mask = part.mask & (np.arange(i, i + batch_size) < N)[:, None]
     batch = features(s.model.params, s.vocab, part.ids, mask)
-    m = jax.device_get(_metrics(params, s.hcfg, s.model.params.embed, batch,
+    m = jax.device_get(_metrics(params, s.hcfg, s.model.target.embedding(s.model.params), batch,
                                 num_steps))
     hits += np.asarray(m["acc"]) * np.asarray(m["count"])
     counts += np.asarray(m["count"])

@@ -25,13 +25,14 @@ ids, dtype) differs is rebuilt from scratch, never silently reused.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
 import os
 import pathlib
 import time
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +43,7 @@ from specjax.training import data as edata
 from specjax.heads.eagle import HeadConfig
 from specjax.training.ttt import TTTBatch, target_outputs
 from specjax.heads.vocab import DraftVocab
+from specjax.models.layers import softcap
 
 _DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 
@@ -122,7 +124,7 @@ def build(model: Any, model_name: str, hcfg: HeadConfig, vocab: DraftVocab,
       with open(path / name, "wb") as f:
         f.truncate(n * dt.itemsize * math.prod(shape))
     _write_meta(meta_path, meta)
-  tcfg, tp = model.config, model.params
+  tcfg, tp = model.target, model.params
   starts = range(meta["done"], n, batch_size)
   bar = tqdm(starts, desc="target features", unit="batch",
              disable=not progress or not len(starts))
@@ -161,20 +163,24 @@ def is_complete(path) -> bool:
   return meta["done"] == meta["examples"]
 
 
-@jax.jit
-def _batch(out_VdD, taps, hidden, in_vocab, tokens, loss_mask) -> TTTBatch:
+@functools.partial(jax.jit, static_argnames="logit_cap")
+def _batch(out_VdD, taps, hidden, in_vocab, tokens, loss_mask,
+           logit_cap=None) -> TTTBatch:
   f32 = lambda a: jnp.asarray(a).astype(jnp.float32)
-  logits = jnp.einsum("btd,vd->btv", f32(hidden), out_VdD,
-                      preferred_element_type=jnp.float32)
+  logits = softcap(jnp.einsum("btd,vd->btv", f32(hidden), out_VdD,
+                              preferred_element_type=jnp.float32), logit_cap)
   return TTTBatch(tokens=jnp.asarray(tokens), taps=f32(taps),
                   target_logits=logits,
                   target_in_vocab=jnp.asarray(in_vocab),
                   loss_mask=jnp.asarray(loss_mask, bool))
 
 
-def cached_batch(cache: FeatureCache, out_VdD, idx, ex: edata.Examples
-                 ) -> TTTBatch:
-  """The ``TTTBatch`` of examples ``idx`` (``ex`` is the cached set)."""
+def cached_batch(cache: FeatureCache, out_VdD, idx, ex: edata.Examples,
+                 logit_cap: Optional[float] = None) -> TTTBatch:
+  """The ``TTTBatch`` of examples ``idx`` (``ex`` is the cached set);
+  ``logit_cap``: the target's final soft-cap (Gemma 2), applied to the
+  recomputed logits as the target applies it."""
   idx = np.asarray(idx)
   return _batch(out_VdD, cache.taps[idx], cache.hidden[idx],
-                cache.in_vocab[idx], ex.ids[idx], ex.mask[idx])
+                cache.in_vocab[idx], ex.ids[idx], ex.mask[idx],
+                logit_cap=logit_cap)

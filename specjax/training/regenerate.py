@@ -96,7 +96,7 @@ def regenerate(model, ex: Examples, *, max_new_tokens: int,
 
 def _fingerprint(model) -> str:
   """Which target wrote the replies: its config and a slice of its weights."""
-  w = np.asarray(model.params.embed[:4], np.float32)
+  w = np.asarray(model.target.embedding(model.params)[:4], np.float32)
   return hashlib.sha256(repr(model.config).encode() + w.tobytes()).hexdigest()
 
 

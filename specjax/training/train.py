@@ -31,8 +31,8 @@ from specjax.training import data as edata
 from specjax.heads.export import save_head
 from specjax.heads.eagle import FROZEN, HeadConfig, head_module
 from specjax.training.ttt import head_loss, loss_rows, target_batch
+from specjax.models.target import Target
 from specjax.heads.vocab import DraftVocab, build_draft_vocab, draft_rows
-from specjax.models import llama
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,23 +214,32 @@ def train_step(cfg: TrainConfig, hcfg: HeadConfig, K: int, rows: int):
   return _step_fns[key]
 
 
-def init_head(key, hcfg: HeadConfig, target_params, vocab: DraftVocab):
+def init_head(key, hcfg: HeadConfig, target: Target, target_params,
+              vocab: DraftVocab):
   """Random init, then warm starts from the target: the LM head from the
   target's output rows of the draft vocabulary, and the target's final norm
   (EAGLE-3: the head's output norm; EAGLE-1, Medusa: the feature norm)."""
   B, T = 1, 4
   params = head_module(hcfg).init(
       key, jnp.zeros((B, T, len(hcfg.taps) * hcfg.target_dim)),
-      jnp.zeros((B, T), jnp.int32), target_params.embed,
+      jnp.zeros((B, T), jnp.int32), target.embedding(target_params),
       jnp.zeros((B, T), jnp.int32))["params"]
   params = dict(params)
-  params["lm_head"] = {"kernel": draft_rows(target_params, vocab).T}
+  params["lm_head"] = {
+      "kernel": draft_rows(target.lm_head(target_params), vocab).T}
   norm = "norm" if hcfg.variant == "eagle3" else "feature_norm"
-  params[norm] = {"scale": jnp.asarray(target_params.final_norm)}
+  try:
+    scale_D, _ = target.output_norm(target_params)
+  except NotImplementedError as e:
+    if hcfg.variant != "eagle3":  # its feature *is* the target's norm
+      raise ValueError(f"a {hcfg.variant} head needs the target's final "
+                       f"RMSNorm: {e}") from None
+    return params  # EAGLE-3's output norm starts at one instead
+  params[norm] = {"scale": scale_D.astype(params[norm]["scale"].dtype)}
   return params
 
 
-def warm_layer(params, hcfg: HeadConfig, target_params):
+def warm_layer(params, hcfg: HeadConfig, target: Target, target_params):
   """An EAGLE-3 head whose layer starts as the target's layer ``taps[-1]``
   (the one the high tap feeds): ``fc`` passes the high tap through, the
   feature half of q/k/v, the attention output and the MLP are that layer's
@@ -241,24 +250,23 @@ def warm_layer(params, hcfg: HeadConfig, target_params):
   token it is given."""
   D, N, G, H = (hcfg.target_dim, hcfg.num_heads, hcfg.num_kv_heads,
                 hcfg.head_dim)
-  layer = target_params.layers[hcfg.taps[-1]]
-  w = llama.dense_weight
-  if w(layer.wqkv).shape != (D, (N + 2 * G) * H):
+  if not hasattr(target, "layer_weights"):
+    raise ValueError("init_layer=target needs a target whose layers can be "
+                     "read (Target.layer_weights)")
+  w = target.layer_weights(target_params, hcfg.taps[-1])
+  if w["wq"].shape != (D, N * H) or w["wk"].shape != (D, G * H):
     raise ValueError("init_layer=target needs the target's attention shape")
   feature_half = lambda x: jnp.concatenate([jnp.zeros_like(x), x], axis=0)
-  wq, wk, wv = llama.split_qkv(w(layer.wqkv), G, H)
-  gate, up = llama.split_gate_up(w(layer.w_gate_up))
   taps = len(hcfg.taps)
   fc = jnp.zeros((taps * D, D)).at[(taps - 1) * D:].set(jnp.eye(D))
   return {**params, "fc": {"kernel": fc},
-          "hidden_norm": {"scale": jnp.asarray(layer.attn_norm)},
-          "wq": {"kernel": feature_half(wq)},
-          "wk": {"kernel": feature_half(wk)},
-          "wv": {"kernel": feature_half(wv)},
-          "wo": {"kernel": w(layer.wo)},
-          "mlp_norm": {"scale": jnp.asarray(layer.mlp_norm)},
-          "w_gate": {"kernel": gate}, "w_up": {"kernel": up},
-          "w_down": {"kernel": w(layer.w_down)}}
+          "hidden_norm": {"scale": w["attn_norm"]},
+          "wq": {"kernel": feature_half(w["wq"])},
+          "wk": {"kernel": feature_half(w["wk"])},
+          "wv": {"kernel": feature_half(w["wv"])},
+          "wo": {"kernel": w["wo"]}, "mlp_norm": {"scale": w["mlp_norm"]},
+          "w_gate": {"kernel": w["w_gate"]}, "w_up": {"kernel": w["w_up"]},
+          "w_down": {"kernel": w["w_down"]}}
 
 
 @dataclasses.dataclass
@@ -289,7 +297,7 @@ class Setup:
     params and the vocabulary are arguments, not closed-over constants: XLA
     would otherwise fold 0.5 GB of weights into the program. One jit for the
     process (configs are static), so every evaluation reuses its compile."""
-    tcfg, hcfg = self.model.config, self.hcfg
+    tcfg, hcfg = self.model.target, self.hcfg
     return lambda tp, voc, tok, mask: _target_batch(tp, tcfg, hcfg, voc, tok,
                                                     mask)
 
@@ -335,9 +343,10 @@ def setup(cfg: TrainConfig, *, model=None,
       min(vd, tcfg.vocab_size), always=tcfg.eos_ids)
   depths = dict(medusa_heads=cfg.medusa_heads) if cfg.variant == "medusa" else {}
   hcfg = HeadConfig.for_target(tcfg, vocab.size, variant=cfg.variant, **depths)
-  params = init_head(jax.random.key(cfg.seed), hcfg, model.params, vocab)
+  params = init_head(jax.random.key(cfg.seed), hcfg, model.target,
+                     model.params, vocab)
   if cfg.init_layer == "target":
-    params = warm_layer(params, hcfg, model.params)
+    params = warm_layer(params, hcfg, model.target, model.params)
   return Setup(model, train_ex, heldout_ex, vocab, hcfg, params)
 
 
@@ -435,7 +444,8 @@ def train(cfg: TrainConfig, workdir: str, *, model=None,
     batch = get_batch(idx, ex)
     if mesh is not None:  # rows over the data axis
       batch = sharding.shard_batch(batch, mesh)
-    new, loss, m, gnorm = step_fn(state, batch, s.model.params.embed,
+    embed_VD = s.model.target.embedding(s.model.params)
+    new, loss, m, gnorm = step_fn(state, batch, embed_VD,
                                   np.int32(cfg.steps))
     loss = float(sharding.to_host(loss))  # the one sync a step needs
     if not np.isfinite(loss):
@@ -490,9 +500,10 @@ def _batches(cfg: TrainConfig, s: Setup, work: pathlib.Path, progress: bool):
   train_ex = trained_examples(cfg, s.train_ex)
   cache = efeat.build(s.model, cfg.model, s.hcfg, s.vocab, train_ex,
                       work / "features", progress=progress)
-  out_VdD = draft_rows(s.model.params, s.vocab)
+  out_VdD = draft_rows(s.model.target.lm_head(s.model.params), s.vocab)
+  cap = getattr(s.model.config, "final_logit_cap", None)
   return train_ex, lambda idx, ex: efeat.cached_batch(cache, out_VdD, idx,
-                                                      train_ex)
+                                                      train_ex, cap)
 
 
 def _truncate_metrics(path: pathlib.Path, step: int) -> None:

@@ -36,8 +36,8 @@ from flax import struct
 from specjax.training.fused_ce import fused_soft_ce
 from specjax.heads.eagle import HeadConfig, head_call
 from specjax.heads.vocab import DraftVocab
-from specjax.models import llama
-from specjax.models.config import ModelConfig
+from specjax.models.layers import rms_norm
+from specjax.models.target import Target
 
 
 @struct.dataclass
@@ -58,32 +58,34 @@ class TTTBatch:
   loss_mask: jax.Array
 
 
-def _target_forward(target_params: llama.LlamaParams, target_cfg: ModelConfig,
-                    head_cfg: HeadConfig, vocab: DraftVocab, tokens_BT):
+def _target_forward(target_params, target: Target, head_cfg: HeadConfig,
+                    vocab: DraftVocab, tokens_BT, hidden: bool = False):
   """The frozen target once over the batch (no cache reuse needed): fused
-  taps, final-normed hidden, whether its argmax is in Vd, full logits."""
+  taps, the final-normed hidden (``hidden``: what a feature cache keeps;
+  else None), whether its argmax is in Vd, full logits."""
   B, T = tokens_BT.shape
-  cache = llama.init_cache(target_cfg, B, T, target_params.embed.dtype)
-  out = llama.forward(target_params, target_cfg, tokens_BT, cache,
-                      taps=head_cfg.taps + (target_cfg.num_layers,))
+  cache = target.init_cache(target_params, B, T)
+  out = target.forward(target_params, tokens_BT, cache,
+                       taps=head_cfg.taps + (target.config.num_layers,))
   taps_BTF = jnp.concatenate(list(out.taps[:-1]), axis=-1)  # low, mid, high
-  hidden_BTD = llama.rms_norm(out.taps[-1], target_params.final_norm,
-                              target_cfg.norm_eps)
+  hidden_BTD = None
+  if hidden:
+    scale_D, eps = target.output_norm(target_params)
+    hidden_BTD = rms_norm(out.taps[-1], scale_D.astype(out.taps.dtype), eps)
   in_vocab = jnp.asarray(vocab.in_vocab)[jnp.argmax(out.logits, axis=-1)]
   return (jax.lax.stop_gradient(taps_BTF), hidden_BTD, in_vocab, out.logits)
 
 
-def target_outputs(target_params, target_cfg, head_cfg, vocab, tokens_BT):
+def target_outputs(target_params, target: Target, head_cfg, vocab, tokens_BT):
   """``(taps, hidden, in_vocab)``: what ``eagle.features`` caches."""
-  return _target_forward(target_params, target_cfg, head_cfg, vocab,
-                         tokens_BT)[:3]
+  return _target_forward(target_params, target, head_cfg, vocab, tokens_BT,
+                         hidden=True)[:3]
 
 
-def target_batch(target_params: llama.LlamaParams, target_cfg: ModelConfig,
-                 head_cfg: HeadConfig, vocab: DraftVocab, tokens_BT,
-                 loss_mask_BT) -> TTTBatch:
+def target_batch(target_params, target: Target, head_cfg: HeadConfig,
+                 vocab: DraftVocab, tokens_BT, loss_mask_BT) -> TTTBatch:
   """A ``TTTBatch`` with the frozen target's outputs computed on the fly."""
-  taps, _, in_vocab, logits = _target_forward(target_params, target_cfg,
+  taps, _, in_vocab, logits = _target_forward(target_params, target,
                                               head_cfg, vocab, tokens_BT)
   return TTTBatch(tokens=tokens_BT, taps=taps,
                   target_logits=logits[..., jnp.asarray(vocab.ids)],
@@ -227,7 +229,7 @@ def attend_blocks(q_BTNH, blocks) -> jax.Array:
   ``[B, T, G, H]`` with mask ``None`` marking a *diagonal* block: query t sees
   only key t of it (the TTT rule for the head's own earlier steps); a
   diagonal block may also come with a ``bool[B, T]`` validity instead.
-  Scores and softmax are f32. Decoding's ``llama.attention`` over the
+  Scores and softmax are f32. Decoding's ``layers.attention`` over the
   keys side by side with the dense mask (``dense_mask``) computes the same
   (tests/test_eagle_ttt.py); the blocks avoid its K x T x T scores.
   """

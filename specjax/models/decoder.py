@@ -1,0 +1,426 @@
+"""The decoder every supported architecture is, as a pure function over a
+parameter pytree, and ``Decoder``: it as a ``specjax.models.target.Target``.
+
+Llama 1/2/3, Mistral, Qwen2/3, Gemma 2/3 and Phi-3 are one pre-norm decoder
+whose differences are ``ModelConfig`` fields (biases, q/k norms, sandwich
+norms, Gemma's ``1 + w`` norms, GeGLU, sliding windows per layer, local RoPE
+bases, soft-capping, embedding scale), composed from ``layers``.
+
+``forward`` serves prefill (T = prompt bucket), decode (T = 1) and speculative
+verification (T = K + 1, or M tree nodes with a custom mask) alike: new tokens
+attend to the row's valid cache slots plus, among themselves, a causal (or
+caller-given tree) mask, and a sliding layer to those within its window.
+Layers are a tuple of per-layer weights run by an unrolled Python loop, not
+``lax.scan`` over stacked weights: on XLA CPU the scan's per-layer slice of
+the stacked weights costs as much as the matmuls (decode at batch 1: 30 ms
+scan vs 17 ms unrolled for the layer matmuls; docs/DESIGN.md). Each layer
+scatters its new keys/values into its own cache buffers (in place when the
+cache is donated) and then attends over the cache.
+
+Axis letters: see ``specjax/__init__.py``. Q, K, V projections are fused into
+one ``[D, (N + 2G) H]`` matmul and gate/up into one ``[D, 2F]`` matmul: on the
+CPU decode is bound by weight reads and launch overhead, fewer dots help. The
+fused output columns are ordered so that any split of them into equal blocks
+along kv heads (q/k/v: group by group, each group's R query heads then its key
+and value head) or along F (gate/up: interleaved per FFN unit) keeps every
+block self-contained: tensor parallelism over a mesh's ``model`` axis
+(``specjax.sharding``) needs no communication inside a projection.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from specjax import native
+from specjax.cache import KVCache, write_kv
+from specjax.models.config import ModelConfig
+from specjax.models.layers import (PackedWeight, apply_rope, attention,
+                                   causal_mask, dense_weight, gated_mlp,
+                                   linear, pack_weight, rms_norm, rope_inv_freq,
+                                   rope_once, softcap, split_gate_up,
+                                   window_masks)
+from specjax.models.target import ForwardOutput
+
+NATIVE_ATTENTION_MAX_T = 64  # new tokens up to which packed models use it
+
+
+@struct.dataclass
+class LayerParams:
+  """One decoder layer's weights (an optional one is None when the
+  architecture has no such weight).
+
+  Attributes:
+    attn_norm: ``[D]``.
+    wqkv: ``[D, G (R + 2) H]`` fused q/k/v projection, group-major
+      (``fuse_qkv``; HF rotate-half layout within a head).
+    bqkv: ``[G (R + 2) H]`` or None (no bias), the same order.
+    wo: ``[N H, D]``; ``bo``: ``[D]`` or None.
+    mlp_norm: ``[D]``.
+    w_gate_up: ``[D, F 2]`` gate and up interleaved (``fuse_gate_up``);
+      ``b_gate_up``: ``[F 2]`` or None.
+    w_down: ``[F, D]``; ``b_down``: ``[D]`` or None.
+    q_norm, k_norm: ``[H]`` per-head norms before RoPE, or None.
+    post_attn_norm, post_mlp_norm: ``[D]`` norms of the attention and MLP
+      outputs (sandwich norms), or None.
+  """
+  attn_norm: jax.Array
+  wqkv: jax.Array
+  bqkv: Optional[jax.Array]
+  wo: jax.Array
+  mlp_norm: jax.Array
+  w_gate_up: jax.Array
+  w_down: jax.Array
+  bo: Optional[jax.Array] = None
+  b_gate_up: Optional[jax.Array] = None
+  b_down: Optional[jax.Array] = None
+  q_norm: Optional[jax.Array] = None
+  k_norm: Optional[jax.Array] = None
+  post_attn_norm: Optional[jax.Array] = None
+  post_mlp_norm: Optional[jax.Array] = None
+
+
+@struct.dataclass
+class DecoderParams:
+  """All weights of a model.
+
+  Attributes:
+    embed: ``[V, D]`` token embedding.
+    layers: L ``LayerParams``, one per layer (not stacked: see module doc).
+    final_norm: ``[D]``.
+    lm_head: ``[V, D]`` (vocabulary-major like ``embed``; see ``_logits``),
+      or None when tied to ``embed``, or a ``PackedWeight`` of ``[D, V]``
+      (``pack_params``). Layer matmuls may be ``PackedWeight`` too.
+  """
+  embed: jax.Array
+  layers: tuple[LayerParams, ...]
+  final_norm: jax.Array
+  lm_head: Optional[jax.Array]
+
+
+def is_packed(params: DecoderParams) -> bool:
+  """Whether ``params`` went through ``pack_params``: the native CPU path."""
+  return isinstance(params.layers[0].wqkv, PackedWeight)
+
+
+def fuse_qkv(wq, wk, wv, num_kv_heads: int):
+  """q/k/v projections (output features last: ``[..., N H]``, ``[..., G H]``,
+  ``[..., G H]``) as one ``[..., G (R + 2) H]``: for each kv head g, its R
+  query heads (``n = g R + r``, GQA's grouping), its key, its value."""
+  xp = np if isinstance(wq, np.ndarray) else jnp
+  *lead, NH = wq.shape
+  G = num_kv_heads
+  H = wk.shape[-1] // G
+  group = lambda w: w.reshape(*lead, G, -1, H)
+  return xp.concatenate([group(wq), group(wk), group(wv)], axis=-2).reshape(
+      *lead, NH + 2 * G * H)
+
+
+def split_qkv(wqkv, num_kv_heads: int, head_dim: int):
+  """``fuse_qkv``'s inverse: ``(wq [..., N H], wk [..., G H], wv)``."""
+  *lead, _ = wqkv.shape
+  G, H = num_kv_heads, head_dim
+  w = wqkv.reshape(*lead, G, -1, H)
+  R = w.shape[-2] - 2
+  return (w[..., :R, :].reshape(*lead, G * R * H),
+          w[..., R, :].reshape(*lead, G * H), w[..., R + 1, :].reshape(
+              *lead, G * H))
+
+
+def random_params(key: jax.Array, cfg: ModelConfig, scale: float = 0.02,
+                  dtype=jnp.float32) -> DecoderParams:
+  """Normal(0, scale) weights and unit norms of ``cfg``'s shapes: a model
+  with no checkpoint behind it, for smoke runs on a machine without files."""
+  D, F, H, V = cfg.dim, cfg.ffn_dim, cfg.head_dim, cfg.vocab_size
+  NH, GH = cfg.num_heads * H, cfg.num_kv_heads * H
+  keys = iter(jax.random.split(key, 8 * cfg.num_layers + 2))
+  w = lambda *shape: scale * jax.random.normal(next(keys), shape, dtype)
+  norm = lambda n: jnp.full((n,), 1.0 - cfg.norm_offset, dtype)
+  maybe = lambda flag, make: make() if flag else None
+  layers = tuple(LayerParams(
+      attn_norm=norm(D), wqkv=w(D, NH + 2 * GH),
+      bqkv=maybe(cfg.qkv_bias, lambda: w(NH + 2 * GH)), wo=w(NH, D),
+      mlp_norm=norm(D), w_gate_up=w(D, 2 * F), w_down=w(F, D),
+      bo=maybe(cfg.o_bias, lambda: w(D)),
+      b_gate_up=maybe(cfg.mlp_bias, lambda: w(2 * F)),
+      b_down=maybe(cfg.mlp_bias, lambda: w(D)),
+      q_norm=maybe(cfg.qk_norm, lambda: norm(H)),
+      k_norm=maybe(cfg.qk_norm, lambda: norm(H)),
+      post_attn_norm=maybe(cfg.sandwich_norms, lambda: norm(D)),
+      post_mlp_norm=maybe(cfg.sandwich_norms, lambda: norm(D)))
+      for _ in range(cfg.num_layers))
+  return DecoderParams(embed=w(V, D), layers=layers, final_norm=norm(D),
+                       lm_head=None if cfg.tie_embeddings else w(V, D))
+
+
+def pack_params(params: DecoderParams) -> DecoderParams:
+  """The same f32 model with every layer matmul and the LM head
+  pre-arranged for the native small-row matmul (``specjax.native``). A tied
+  LM head gets its own packed copy of the embedding (V x D more floats); the
+  embedding stays as it is for lookups. Packed weights put ``forward`` on
+  the native CPU path: the native attention too (full-attention layers
+  without soft-capping), for up to ``NATIVE_ATTENTION_MAX_T`` new tokens,
+  when ``native.available()``."""
+  if params.embed.dtype != jnp.float32:
+    raise ValueError(f"the native matmul is f32; these weights are "
+                     f"{params.embed.dtype}")
+  pk = pack_weight
+  layers = tuple(lp.replace(wqkv=pk(lp.wqkv), wo=pk(lp.wo),
+                            w_gate_up=pk(lp.w_gate_up), w_down=pk(lp.w_down))
+                 for lp in params.layers)
+  return params.replace(layers=layers, lm_head=pk(lm_head_VD(params).T))
+
+
+def lm_head_VD(params: DecoderParams) -> jax.Array:
+  """The output projection as ``[V, D]``, whether tied to ``embed``, plain
+  or packed (``pack_params``)."""
+  w = params.lm_head
+  if w is None:
+    return params.embed
+  return dense_weight(w).T if isinstance(w, PackedWeight) else w
+
+
+def init_cache(cfg: ModelConfig, batch: int, capacity: int,
+               dtype=jnp.float32, num_layers: Optional[int] = None) -> KVCache:
+  return KVCache.init(cfg.num_layers if num_layers is None else num_layers,
+                      batch, capacity, cfg.num_kv_heads, cfg.head_dim, dtype)
+
+
+def _layer_masks(cfg: ModelConfig, windows, positions_BT, prefix_B1S,
+                 mask_BTT, capacity: int):
+  """Per distinct window (None: full attention) the ``(slots [B, Q, S],
+  new tokens [B, Q, T])`` masks of ``attention``'s query rows."""
+  out = {}
+  for w in set(windows):
+    prefix, new = prefix_B1S, mask_BTT
+    if w is not None:
+      win_BTS, win_BTT = window_masks(positions_BT, capacity, w)
+      prefix, new = prefix_B1S & win_BTS, mask_BTT & win_BTT
+      prefix = jnp.repeat(prefix, cfg.group_size, axis=1)
+    out[w] = (prefix, jnp.repeat(new, cfg.group_size, axis=1))
+  return out
+
+
+def _rope_tables(cfg: ModelConfig, windows, positions_BT):
+  """cos/sin per layer kind: the full layers' (base and scaling) and, for
+  Gemma 3, the sliding layers' own base."""
+  full = rope_once(positions_BT, rope_inv_freq(cfg.head_dim, cfg.rope_theta,
+                                               cfg.rope_scaling))
+  if cfg.local_rope_theta is None or all(w is None for w in windows):
+    return lambda w: full
+  local = rope_once(positions_BT, rope_inv_freq(cfg.head_dim,
+                                                cfg.local_rope_theta))
+  return lambda w: full if w is None else local
+
+
+def forward(params: DecoderParams, cfg: ModelConfig, tokens_BT: jax.Array,
+            cache: KVCache, *, positions_BT: Optional[jax.Array] = None,
+            mask_BTT: Optional[jax.Array] = None, taps: Sequence[int] = (),
+            logit_positions_BP: Optional[jax.Array] = None,
+            write_cache: bool = True,
+            layers: Optional[Sequence[int]] = None) -> ForwardOutput:
+  """Runs T new tokens per row on top of each row's cached prefix.
+
+  Args:
+    params: model weights.
+    cfg: static model config.
+    tokens_BT: ``int32[B, T]`` new tokens.
+    cache: keys/values of each row's prefix; row b's new tokens are written
+      at slots ``lengths[b] + arange(T)``. Slot s holds position s.
+    positions_BT: RoPE positions of the new tokens; default
+      ``lengths[:, None] + arange(T)`` (trees pass ``lengths + depth``).
+    mask_BTT: ``bool[B, T, T]``, which new tokens each new token may see
+      (must include itself); default causal.
+    taps: layer indices whose *input* hidden states to return (L = output of
+      the last layer). Static.
+    logit_positions_BP: ``int32[B, P]`` compute logits only at these new-token
+      positions (prefill needs just the last real token of each row).
+    write_cache: False leaves the cache untouched (only its prefix is read)
+      and returns the new entries instead (``new_kv``): a verify forward
+      under ``lax.cond`` then never copies the cache, and the engine writes
+      only what it keeps.
+    layers: run only these layers (static, increasing), then the final norm
+      and the LM head (layer-skip drafting); the cache then holds one entry
+      per layer run, and taps count the layers run. None: all.
+
+  Every layer attends over the cache prefix (slots below each row's length)
+  plus the new tokens' own keys/values, so both modes compute the same.
+
+  Returns:
+    ``ForwardOutput`` with f32 logits, the cache (appended or untouched), the
+    taps and (not writing) the new entries.
+  """
+  B, T = tokens_BT.shape
+  lengths_B = cache.lengths
+  run = tuple(range(cfg.num_layers)) if layers is None else tuple(layers)
+  windows = [cfg.window(i) for i in run]
+  if positions_BT is None:
+    positions_BT = lengths_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+  if mask_BTT is None:
+    mask_BTT = causal_mask(B, T)
+  # Opaque to XLA: a fresh cache's prefix mask is a constant (all False),
+  # and XLA would constant-fold every layer's masked prefill scores
+  # (~8 s a layer at a 512-token bucket) instead of computing them.
+  prefix_B1S = jax.lax.optimization_barrier(
+      (jnp.arange(cache.capacity)[None, :] < lengths_B[:, None])[:, None, :])
+  masks = _layer_masks(cfg, windows, positions_BT, prefix_B1S, mask_BTT,
+                       cache.capacity)
+  slots_BT = cache.new_slots(T)
+  # Packed weights mean the native CPU path: its attention too, for decode,
+  # verify and tree widths (prefill's long T stays on XLA's batched dots),
+  # on the layers it computes (no window, no soft-capping).
+  native_attention = (is_packed(params) and T <= NATIVE_ATTENTION_MAX_T
+                      and cfg.attn_logit_cap is None and native.available())
+  tables = _rope_tables(cfg, windows, positions_BT)
+
+  N, G, H, R = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.group_size
+  scale = H ** -0.5 if cfg.query_scale is None else cfg.query_scale
+  norm = lambda x, w: rms_norm(x, w, cfg.norm_eps, cfg.norm_offset)
+  x_BTD = jnp.take(params.embed, tokens_BT, axis=0)
+  if cfg.embed_scale is not None:
+    x_BTD = x_BTD * jnp.asarray(cfg.embed_scale, x_BTD.dtype)
+  hidden, ks, vs, new_kv = [], list(cache.k), list(cache.v), []
+  for c, (i, window) in enumerate(zip(run, windows)):
+    lp = params.layers[i]
+    hidden.append(x_BTD)
+    qkv = linear(norm(x_BTD, lp.attn_norm), lp.wqkv, lp.bqkv)
+    qkv_BTGJH = qkv.reshape(B, T, G, R + 2, H)  # fuse_qkv's order, J = R + 2
+    qk = qkv_BTGJH[:, :, :, :R + 1]
+    if lp.q_norm is not None:
+      qk = jnp.concatenate([norm(qk[:, :, :, :R], lp.q_norm),
+                            norm(qk[:, :, :, R:], lp.k_norm)], axis=3)
+    qk = apply_rope(qk, *tables(window))
+    q, k = qk[:, :, :, :R].reshape(B, T, N, H), qk[:, :, :, R]
+    v = qkv_BTGJH[:, :, :, R + 1]
+    if write_cache:
+      # Write first, then attend (over the prefix): reading the buffers
+      # before the write would make XLA copy them to keep the old values.
+      ks[c], vs[c] = write_kv(ks[c], vs[c], k, v, slots_BT)
+    new_kv.append((k, v))
+    if native_attention and window is None:
+      # The kernel scales by H ** -0.5; any other scale goes into q.
+      attn = native.attention(q * (scale * H ** 0.5) if cfg.query_scale
+                              else q, ks[c], vs[c], k, v, lengths_B, mask_BTT)
+    else:
+      prefix, new = masks[window]
+      attn = attention(q, ks[c], vs[c], prefix, new=(k, v, new), scale=scale,
+                       logit_cap=cfg.attn_logit_cap)
+    a_BTD = linear(attn, lp.wo, lp.bo)
+    if lp.post_attn_norm is not None:
+      a_BTD = norm(a_BTD, lp.post_attn_norm)
+    x_BTD = x_BTD + a_BTD
+    m_BTD = gated_mlp(norm(x_BTD, lp.mlp_norm), lp.w_gate_up, lp.w_down,
+                      cfg.activation, lp.b_gate_up, lp.b_down)
+    if lp.post_mlp_norm is not None:
+      m_BTD = norm(m_BTD, lp.post_mlp_norm)
+    x_BTD = x_BTD + m_BTD
+  hidden.append(x_BTD)
+  new_cache = KVCache(k=tuple(ks), v=tuple(vs),
+                      lengths=lengths_B + T if write_cache else lengths_B)
+  tap_out = jnp.stack([hidden[t] for t in taps]) if taps else None
+
+  h_BTD = norm(x_BTD, params.final_norm)
+  if logit_positions_BP is not None:
+    h_BTD = jnp.take_along_axis(h_BTD, logit_positions_BP[..., None], axis=1)
+  w_VD = params.embed if params.lm_head is None else params.lm_head
+  return ForwardOutput(
+      logits=softcap(_logits(h_BTD, w_VD), cfg.final_logit_cap),
+      cache=new_cache, taps=tap_out,
+      new_kv=None if write_cache else tuple(new_kv))
+
+
+def _logits(h_BTD: jax.Array, w_VD: jax.Array) -> jax.Array:
+  """``f32[B, T, V]``. With more than one row, the vocabulary is the dot's
+  left operand: XLA CPU's GEMM is then 2-3x faster for a few rows against a
+  huge V (measured for 576 x 49152: 8 rows 14 ms vs 44 ms, 5 rows 18 vs 34),
+  which is what a verify step over K + 1 tokens needs. One row stays a
+  plain GEMV, XLA's fastest form there."""
+  if isinstance(w_VD, PackedWeight):  # pack_params: [D, V] panels
+    return linear(h_BTD, w_VD)
+  B, T, D = h_BTD.shape
+  if B * T == 1:
+    return jnp.einsum("btd,vd->btv", h_BTD, w_VD,
+                      preferred_element_type=jnp.float32)
+  logits_VM = jnp.einsum("vd,md->vm", w_VD, h_BTD.reshape(B * T, D),
+                         preferred_element_type=jnp.float32)
+  return logits_VM.T.reshape(B, T, -1)
+
+
+def param_axes(params: DecoderParams) -> DecoderParams:
+  """Logical axes of every parameter (``specjax.sharding``), as a tree like
+  ``params``: q/k/v, the attention output and its kv heads over
+  ``kv_heads``, the MLP over ``ffn``, the vocabulary over ``vocab``."""
+  if is_packed(params):
+    raise ValueError("packed weights (the native CPU path) run on one "
+                     "device; load the model with native=False for a mesh")
+  axes = dict(attn_norm=(None,), wqkv=(None, "kv_heads"), bqkv=("kv_heads",),
+              wo=("kv_heads", None), bo=(None,), mlp_norm=(None,),
+              w_gate_up=(None, "ffn"), b_gate_up=("ffn",),
+              w_down=("ffn", None), b_down=(None,), q_norm=(None,),
+              k_norm=(None,), post_attn_norm=(None,), post_mlp_norm=(None,))
+  layer = lambda lp: LayerParams(**{
+      f.name: None if getattr(lp, f.name) is None else axes[f.name]
+      for f in dataclasses.fields(LayerParams)})
+  return DecoderParams(
+      embed=("vocab", None), layers=tuple(layer(lp) for lp in params.layers),
+      final_norm=(None,),
+      lm_head=None if params.lm_head is None else ("vocab", None))
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoder:
+  """specjax's own decoder as a ``Target``: every architecture
+  ``load_model`` reads (``ModelConfig`` says which), on ``DecoderParams``."""
+  config: ModelConfig
+
+  def init_cache(self, params, batch: int, capacity: int, dtype=None,
+                 layers: Optional[Sequence[int]] = None) -> KVCache:
+    dtype = params.embed.dtype if dtype is None else dtype
+    return init_cache(self.config, batch, capacity, dtype,
+                      None if layers is None else len(layers))
+
+  def forward(self, params, tokens_BT, cache, **kw) -> ForwardOutput:
+    return forward(params, self.config, tokens_BT, cache, **kw)
+
+  def embedding(self, params) -> jax.Array:
+    return params.embed
+
+  def lm_head(self, params) -> jax.Array:
+    return lm_head_VD(params)
+
+  def output_norm(self, params) -> tuple[jax.Array, float]:
+    c = self.config
+    return (params.final_norm.astype(jnp.float32) + c.norm_offset,
+            c.norm_eps)
+
+  def param_axes(self, params):
+    return param_axes(params)
+
+  @property
+  def axis_sizes(self) -> dict[str, int]:
+    c = self.config
+    return dict(kv_heads=c.num_kv_heads, ffn=c.ffn_dim, vocab=c.vocab_size)
+
+  def layer_weights(self, params, layer: int) -> dict:
+    """Layer ``layer``'s weights split as HF stores them (``x @ W``
+    layout): ``attn_norm, wq, wk, wv, wo, mlp_norm, w_gate, w_up, w_down``
+    (norms as their effective scale). Raises ValueError for a layer that
+    is not a plain Llama layer (biases, q/k or sandwich norms, not SwiGLU):
+    what an EAGLE head's layer can start from."""
+    c, lp = self.config, params.layers[layer]
+    extra = [n for n in ("bqkv", "bo", "b_gate_up", "q_norm",
+                         "post_attn_norm") if getattr(lp, n) is not None]
+    if extra or c.activation != "silu":
+      raise ValueError(f"layer {layer} of {c.name} is not a plain Llama "
+                       f"layer ({', '.join(extra) or c.activation})")
+    wq, wk, wv = split_qkv(dense_weight(lp.wqkv), c.num_kv_heads, c.head_dim)
+    gate, up = split_gate_up(dense_weight(lp.w_gate_up))
+    eff = lambda w: w.astype(jnp.float32) + c.norm_offset
+    return dict(attn_norm=eff(lp.attn_norm), wq=wq, wk=wk, wv=wv,
+                wo=dense_weight(lp.wo), mlp_norm=eff(lp.mlp_norm),
+                w_gate=gate, w_up=up, w_down=dense_weight(lp.w_down))
