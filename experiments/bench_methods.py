@@ -71,10 +71,10 @@ def main(argv=None):
   from specjax.models.registry import load_model
   from specjax.sampling import SamplingParams
   specs = [parse_spec(s) for s in args.specs]
-  from specjax.sharding import make_mesh
+  from specjax.sharding import make_mesh, on_mesh
   mesh = make_mesh(args.mesh) if args.mesh else None
-  model = load_model("smollm2-135m",
-                     native=False if args.xla or mesh else None, mesh=mesh)
+  model = on_mesh(load_model("smollm2-135m",
+                             native=False if args.xla or mesh else None), mesh)
   prompts = data.load_prompts(args.dataset, args.num_prompts)
   chat = args.dataset != "humaneval"
   ids = [model.tokenizer.encode_chat(p) if chat else model.tokenizer.encode(p)

@@ -87,7 +87,8 @@ def head_program(cfg: ModelConfig, B: int, K: int, dtype, context: int):
   """``(jitted propose, (params, state, tokens, num_tokens, key))``: an
   EAGLE-3 head drafting K tokens greedily after a verify of K + 1."""
   from specjax.drafters.eagle import EagleDrafter, EagleParams
-  from specjax.heads.eagle import HeadConfig, head_module
+  from specjax.heads.base import HeadConfig
+  from specjax.heads import head_module
   from specjax.sampling import SamplingParams
   hcfg = HeadConfig.for_target(cfg, min(DRAFT_VOCAB, cfg.vocab_size))
   drafter = EagleDrafter(hcfg)

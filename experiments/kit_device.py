@@ -294,7 +294,7 @@ def cmd_probe(args) -> int:
   """Child of call 1: the GPU config on a random target of the real shape."""
   import jax
   from specjax.training import train as etrain
-  from specjax.models.decoder import random_params
+  from specjax.models.decoder import Decoder, random_params
   from specjax.models.registry import Model
   scratch = pathlib.Path(args.scratch)
   man, _ = kit_files.manifest()
@@ -303,7 +303,7 @@ def cmd_probe(args) -> int:
   steps = args.steps
   if cfg.ttt_warm_fraction > 0:  # both TTT lengths, half the steps each
     cfg = dataclasses.replace(cfg, ttt_warm_fraction=0.5)
-  model = Model(tcfg, random_params(jax.random.key(0), tcfg), None)
+  model = Model(Decoder(tcfg), random_params(jax.random.key(0), tcfg), None)
   ex = random_examples(cfg, tcfg.vocab_size, 2 * cfg.batch_size)
   t = time.time()
   run = etrain.train(dataclasses.replace(cfg, steps=steps, log_every=1,
@@ -351,13 +351,13 @@ def smoke(work: pathlib.Path) -> dict:
   from specjax.training import data as edata
   from specjax.training import train as etrain
   from specjax.models.config import ModelConfig
-  from specjax.models.decoder import random_params
+  from specjax.models.decoder import Decoder, random_params
   from specjax.models.registry import Model
   t0 = time.time()
   mcfg = ModelConfig(vocab_size=96, dim=32, num_layers=3, num_heads=4,
                      num_kv_heads=2, head_dim=8, ffn_dim=40,
                      tie_embeddings=True, eos_ids=(95,))
-  model = Model(mcfg, random_params(jax.random.key(0), mcfg), None)
+  model = Model(Decoder(mcfg), random_params(jax.random.key(0), mcfg), None)
   rng = np.random.default_rng(0)
   ex = edata.Examples(rng.integers(0, 96, (8, 16)).astype(np.int32),
                       np.arange(16)[None, :] >= rng.integers(2, 6, (8, 1)),

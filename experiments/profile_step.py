@@ -17,9 +17,9 @@ import functools
 import json
 import pathlib
 import sys
-from specjax.models.decoder import Decoder
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from specjax.models.decoder import Decoder  # noqa: E402
 
 
 def pieces(model, dcfg, dparams, state):

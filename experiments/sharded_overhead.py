@@ -46,7 +46,8 @@ def main(argv=None) -> int:
   from experiments.common import machine
   from specjax import data, methods, runner, sharding
   from specjax.bench import git_sha
-  from specjax.models.registry import load_model, on_mesh
+  from specjax.models.registry import load_model
+  from specjax.sharding import on_mesh
 
   base = load_model("smollm2-135m", native=False)
   prompts = data.load_prompts("mtbench", args.batch)

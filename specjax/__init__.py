@@ -27,7 +27,7 @@ from specjax.models.target import ForwardOutput, Target
 from specjax.models.tokenizer import StreamDecoder, Tokenizer
 from specjax.runner import BatchResult, RowResult, generate_ids
 from specjax.sampling import SamplingParams, sample_logits, warp
-from specjax.sharding import make_mesh, shard_params
+from specjax.sharding import make_mesh, on_mesh, shard_params
 from specjax.tree import Tree, TreeResult, verify_tree
 from specjax.verify import ChainResult, verify_chain
 
@@ -41,7 +41,7 @@ __all__ = [
     "SamplingParams", "StreamDecoder", "Tokenizer", "bucket_length",
     "build_datastore", "build_method", "capacity_for", "generate",
     "generate_ids", "generate_jit",
-    "load_model", "make_mesh", "pad_prompts", "prefill",
+    "load_model", "make_mesh", "on_mesh", "pad_prompts", "prefill",
     "prefill_jit", "shard_params",
     "sample_logits", "sharegpt_datastore", "step", "step_jit", "stream",
     "Target", "Tree", "TreeResult", "verify_chain", "verify_tree", "warp",

@@ -257,7 +257,8 @@ def _load(name: str, mesh_spec: Optional[str] = None,
   except sharding.MeshError as e:
     raise UsageError(f"--mesh: {e}") from None
   try:
-    return load_model(name, dtype, mesh=mesh)
+    return sharding.on_mesh(
+        load_model(name, dtype, native=False if mesh else None), mesh)
   except (AssetError, WeightError, ValueError, OSError) as e:
     raise UsageError(str(e)) from None
 

@@ -263,7 +263,16 @@ def prefill(params, prompt_BT: jax.Array,
     max_new_tokens: budget of generated tokens per row, at least 1: the
       prefill always samples one (an array: changing it does not recompile).
     drafter_params: the drafter's parameters (a pytree), if it has any.
+    target: the model (``models.target.Target``; static), e.g.
+      ``Model.target``.
   """
+  if not isinstance(target, Target):
+    missing = [m for m in ("config", "axis_sizes", "init_cache", "forward",
+                           "embedding", "lm_head", "output_norm",
+                           "param_axes") if not hasattr(target, m)]
+    raise TypeError(f"target must implement specjax.Target (a model's "
+                    f"``.target``); {type(target).__name__} lacks "
+                    f"{', '.join(missing)}")
   B, Tp = prompt_BT.shape
   S = dcfg.capacity
   if Tp >= S:  # the first sampled token needs a slot after the prompt

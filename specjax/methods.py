@@ -252,7 +252,7 @@ def _head(model: "Model", spec: MethodSpec):
   native CPU path when the target is."""
   import jax.numpy as jnp
 
-  from specjax.heads.eagle import pack_head
+  from specjax.heads.base import pack_head
   from specjax.heads.export import load_head
   variant = HEADS[spec.name]
   path = head_file(model.config.name, spec)

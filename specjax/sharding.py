@@ -32,6 +32,7 @@ packed weights are refused here (load with ``native=False``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Mapping, Optional
 
@@ -176,6 +177,19 @@ def _put(tree: Any, shardings):
 def shard_params(params, target: Target, mesh: Mesh):
   """The target's weights placed on ``mesh`` (``param_specs``)."""
   return _put(params, _named(param_specs(params, target, mesh), mesh))
+
+
+def on_mesh(model, mesh: Optional[Mesh]):
+  """A ``models.registry.Model`` with its weights laid out on ``mesh``
+  (``shard_params``); unchanged for None. The native CPU kernels run on
+  one device: a model loaded with them is refused."""
+  if mesh is None:
+    return model
+  if model.native:
+    raise ValueError("the native CPU kernels run on one device, not a mesh "
+                     "(load the model with native=False)")
+  return dataclasses.replace(
+      model, params=shard_params(model.params, model.target, mesh), mesh=mesh)
 
 
 def shard_batch(tree: Any, mesh: Mesh):

@@ -24,7 +24,7 @@ import numpy as np
 from specjax import bucketing, engine, sharding
 from specjax.drafters import NGramDrafter
 from specjax.drafters.eagle import EagleDrafter, EagleParams
-from specjax.heads.eagle import HeadConfig
+from specjax.heads.base import HeadConfig
 from specjax.heads.vocab import build_draft_vocab
 from specjax.models import decoder
 from specjax.models.config import ModelConfig
@@ -120,8 +120,8 @@ def main(full: bool) -> dict:
   # SmolLM2's shape: 3 kv heads do not split over 2 devices (replicated),
   # its FFN and vocabulary do.
   odd = dataclasses.replace(CFG, num_heads=9, num_kv_heads=3, head_dim=4)
-  sp = sharding.shard_params(decoder.random_params(jax.random.key(0), odd), odd,
-                             sharding.make_mesh("data=4,model=2"))
+  sp = sharding.shard_params(decoder.random_params(jax.random.key(0), odd),
+                             Decoder(odd), sharding.make_mesh("data=4,model=2"))
   out["specs"]["odd_heads"] = dict(wqkv=_spec(sp.layers[0].wqkv),
                                    w_down=_spec(sp.layers[0].w_down))
   return out
@@ -164,7 +164,8 @@ def multihost_main(port: int, pid: int) -> dict:
   one-device run."""
   sharding.initialize_distributed(f"127.0.0.1:{port},2,{pid}")
   from specjax import runner
-  from specjax.models.registry import Model, on_mesh
+  from specjax.models.registry import Model
+  from specjax.sharding import on_mesh
   params = decoder.random_params(jax.random.key(0), CFG, scale=0.3)
   one = Model(target=Decoder(CFG), params=params, tokenizer=None)
   meshed = on_mesh(one, sharding.make_mesh("data=4,model=2"))
@@ -190,8 +191,47 @@ def multihost_main(port: int, pid: int) -> dict:
   return out
 
 
+# A Gemma-2-like target with every option the decoder has: biases, q/k and
+# sandwich norms, (1 + w) norms, GeGLU, soft-caps, alternating windows
+# shorter than the rows, local RoPE base, scaled embedding.
+ARCH = dataclasses.replace(
+    CFG, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=6, qkv_bias=True,
+    o_bias=True, mlp_bias=True, activation="gelu_tanh", norm_offset=1.0,
+    qk_norm=True, sandwich_norms=True, query_scale=0.3, attn_logit_cap=2.0,
+    final_logit_cap=5.0, embed_scale=32 ** 0.5, sliding_window=4,
+    layer_types=("sliding", "full") * 2, local_rope_theta=100.0)
+
+
+def arch_main() -> dict:
+  """AR and n-gram at T = 0, AR at T = 1 (top-p 0.9) on ``ARCH``: one
+  device against ``data=2,model=2`` (4 of the 8 devices)."""
+  params = decoder.random_params(jax.random.key(0), ARCH, scale=0.3)
+  prompt_BT, lengths = bucketing.pad_prompts(PROMPTS)
+  mesh = sharding.make_mesh("data=2,model=2", jax.devices()[:4])
+  out = {"runs": []}
+  for temp, drafter, k in ((0.0, None, 0), (0.0, NGramDrafter(), 3),
+                           (1.0, None, 0)):
+    dcfg = engine.DecodeConfig(
+        capacity=48, sampling=SamplingParams(temperature=temp, top_p=0.9),
+        drafter=drafter, num_draft=k)
+    run = lambda p, d: engine.generate_jit(
+        p, prompt_BT, lengths, jax.random.key(7), np.int32(12),
+        target=Decoder(ARCH), dcfg=d)
+    ref = run(params, dcfg)
+    st = run(sharding.shard_params(params, Decoder(ARCH), mesh),
+             dataclasses.replace(dcfg, mesh=mesh))
+    out["runs"].append(dict(
+        temperature=temp, method="ngram" if drafter else "ar",
+        equal=bool((np.asarray(st.tokens) == np.asarray(ref.tokens)).all()),
+        new_tokens=int((st.num_tokens - st.prompt_lengths).sum()),
+        cache_k=_spec(st.cache.k[0])))
+  return out
+
+
 if __name__ == "__main__":
-  if "--multihost" in sys.argv:
+  if "--arch" in sys.argv:
+    print(json.dumps(arch_main()))
+  elif "--multihost" in sys.argv:
     print(json.dumps(multihost_main(int(sys.argv[-2]), int(sys.argv[-1]))))
   elif "--train" in sys.argv:
     print(json.dumps(train_main(sys.argv[-1])))

@@ -171,7 +171,7 @@ def _drafters(cfg, params, draft_dir):
   from specjax.drafters import (DraftModelDrafter, LayerSkipDrafter,
                                 NGramDrafter)
   from specjax.drafters.eagle import EagleDrafter, EagleParams
-  from specjax.heads.eagle import HeadConfig
+  from specjax.heads.base import HeadConfig
   from specjax.heads.vocab import build_draft_vocab
   from specjax.training.train import init_head
   target, V, L = Decoder(cfg), cfg.vocab_size, cfg.num_layers
@@ -283,7 +283,7 @@ def test_eagle3_taps_for_any_depth():
   """Invariant: an EAGLE-3 head's default taps are three distinct layers
   in range for any depth >= 3 (the reference's {2, L//2, L-3} from 7 on),
   and a shallower target is refused rather than given impossible taps."""
-  from specjax.heads.eagle import eagle3_taps
+  from specjax.heads.base import eagle3_taps
   for L in range(3, 40):
     taps = eagle3_taps(L)
     assert len(set(taps)) == 3 and 0 <= min(taps) and max(taps) < L, (L, taps)

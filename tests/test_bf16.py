@@ -12,7 +12,7 @@ from specjax.drafters import (DraftModelDrafter, LayerSkipDrafter,
                               NGramDrafter)
 from specjax.drafters.eagle import EagleDrafter, EagleParams
 from specjax.drafters.medusa import MedusaDrafter, MedusaParams
-from specjax.heads.eagle import HeadConfig
+from specjax.heads.base import HeadConfig
 from specjax.heads.vocab import build_draft_vocab
 from specjax.models import decoder
 from specjax.models.hf_loader import load_hf

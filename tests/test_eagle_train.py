@@ -249,7 +249,7 @@ def test_eagle1_keeps_target_copies_frozen(tiny_model, tmp_path):
   final norm and LM head exactly as initialized, while the rest moves."""
   import jax
   from specjax.heads.vocab import build_draft_vocab
-  from specjax.heads.eagle import HeadConfig
+  from specjax.heads.base import HeadConfig
   cfg = dataclasses.replace(CFG, variant="eagle1", ttt_steps=1, steps=3,
                             draft_vocab=37)
   run = etrain.train(cfg, tmp_path, model=tiny_model, examples=_examples(),

@@ -6,7 +6,8 @@ import numpy as np
 import optax
 import pytest
 
-from specjax.heads.eagle import Eagle3Head, HeadConfig
+from specjax.heads.base import HeadConfig
+from specjax.heads.eagle import Eagle3Head
 from specjax.heads.vocab import build_draft_vocab
 from specjax.models import decoder
 from specjax.models import layers
@@ -298,7 +299,7 @@ def test_static_trees_match_dynamic_and_chain_drafts(tmp_path, variant):
   with the chain's); a shape deeper than K is refused."""
   from specjax import bucketing, engine, tree
   from specjax.drafters.eagle import EagleDrafter, EagleParams
-  from specjax.heads.eagle import HeadConfig as HC
+  from specjax.heads.base import HeadConfig as HC
   from specjax.models.hf_loader import load_hf
   from specjax.sampling import SamplingParams
   from specjax.training.train import init_head

@@ -117,8 +117,11 @@ def _stored(w: np.ndarray, qtype: QType):
   return gguf.quants.quantize(w, qtype), qtype
 
 
-def _write_gguf(path, config, tensors, qtype=QType.F32, arch="llama"):
+def _write_gguf(path, config, tensors, qtype=QType.F32, arch="llama",
+                extra=None):
   writer = gguf.GGUFWriter(str(path), arch)
+  for key, value in (extra or {}).items():  # e.g. {"llama.x": 1}
+    writer.add_uint32(key, value)
   writer.add_block_count(config.num_hidden_layers)
   writer.add_embedding_length(config.hidden_size)
   writer.add_feed_forward_length(config.intermediate_size)
@@ -353,6 +356,28 @@ def test_unsupported_architecture(models, tmp_path):
   path = _write_gguf(tmp_path / "g.gguf", model.config, _gguf_tensors(model),
                      arch="gpt2")
   with pytest.raises(WeightError, match="unsupported GGUF architecture 'gpt2'"):
+    load_gguf(path)
+
+
+@pytest.mark.parametrize("key,tensor,words", [
+    ("llama.attention.sliding_window", None,
+     "llama.attention.sliding_window is not supported"),
+    ("llama.expert_count", None, "llama.expert_count is not supported"),
+    (None, "blk.0.post_attention_norm.weight",
+     "'blk.0.post_attention_norm.weight' is not supported"),
+])
+def test_unread_metadata_or_tensor_refused(models, key, tensor, words,
+                                           tmp_path):
+  """Invariant: an architecture key or a tensor the loader would not honour
+  (a sliding window, experts, Gemma's post-norms) is refused naming it,
+  never loaded and decoded differently."""
+  model = models["own_tied"]
+  tensors = _gguf_tensors(model)
+  if tensor:
+    tensors[tensor] = np.ones(model.config.hidden_size, np.float32)
+  path = _write_gguf(tmp_path / "x.gguf", model.config, tensors,
+                     extra={key: 4} if key else None)
+  with pytest.raises(WeightError, match=re.escape(words)):
     load_gguf(path)
 
 

@@ -10,7 +10,8 @@ import pytest
 
 from specjax import bucketing, engine, tree
 from specjax.drafters.medusa import MedusaDrafter, MedusaParams
-from specjax.heads.eagle import HeadConfig, head_call
+from specjax.heads.base import HeadConfig
+from specjax.heads import head_call
 from specjax.heads.medusa import MedusaHead
 from specjax.heads.vocab import build_draft_vocab
 from specjax.sampling import SamplingParams

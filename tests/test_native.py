@@ -309,7 +309,8 @@ def test_packed_head_equals_plain(variant, in_bf16):
   holds exactly is packed in bf16, any other in f32."""
   from flax.traverse_util import flatten_dict
 
-  from specjax.heads.eagle import HeadConfig, head_module, pack_head
+  from specjax.heads.base import HeadConfig, pack_head
+  from specjax.heads import head_module
   from specjax.models import decoder, layers
   cfg = HeadConfig(target_dim=48, target_vocab=101, target_layers=4,
                    taps=(4,) if variant == "eagle1" else (1, 2, 3),

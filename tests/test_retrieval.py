@@ -216,7 +216,7 @@ def test_head_tree_with_the_lookup_trie_equals_ar(tiny):
   take."""
   from specjax.drafters.eagle import EagleDrafter, EagleParams
   from specjax.drafters.union import TreeUnion, UnionParams
-  from specjax.heads.eagle import HeadConfig
+  from specjax.heads.base import HeadConfig
   from specjax.heads.vocab import build_draft_vocab
   from specjax.training.train import init_head
   cfg, params = tiny

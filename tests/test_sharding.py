@@ -74,6 +74,20 @@ def test_sharded_decoding_equals_one_device_and_is_laid_out():
 
 
 @pytest.mark.long
+def test_non_llama_target_sharded_equals_one_device():
+  """Invariant: a Gemma-2-like target with every decoder option (biases,
+  q/k and sandwich norms, soft-caps, alternating windows shorter than the
+  rows, a local RoPE base) decodes on data=2 x model=2 exactly as on one
+  device: AR and n-gram at T = 0, AR at T = 1 with the same key; its cache
+  split by rows and kv heads."""
+  out = _worker("--arch")
+  runs = out["runs"]
+  assert len(runs) == 3 and all(r["new_tokens"] == 8 * 12 for r in runs)
+  assert all(r["equal"] for r in runs), runs
+  assert runs[0]["cache_k"] == [[8, 4, 6, 48], [4, 2, 6, 48]]
+
+
+@pytest.mark.long
 def test_sharded_decoding_every_mesh_shape():
   """Invariant: on meshes 1x8, 2x4, 4x2 and 8x1, AR, n-gram, EAGLE-3 chains
   and EAGLE-2 dynamic trees, at T = 0 and T = 1 (top-p 0.9, same key), emit

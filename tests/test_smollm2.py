@@ -78,7 +78,7 @@ def _drafter(smollm2, method, tmp_path_factory):
   if method == "eagle3_untrained":  # exactness cannot depend on training
     import jax
     import jax.numpy as jnp
-    from specjax.heads.eagle import HeadConfig
+    from specjax.heads.base import HeadConfig
     from specjax.heads.vocab import build_draft_vocab
     from specjax.drafters.eagle import EagleDrafter, EagleParams
     from specjax.training.train import init_head

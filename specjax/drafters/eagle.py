@@ -42,7 +42,8 @@ from specjax import tree as trees
 from specjax.cache import KVCache, write_kv
 from specjax.drafters.base import Proposal, TreeProposal
 from specjax.drafters.chain import draft_chain
-from specjax.heads.eagle import HeadConfig, head_call
+from specjax.heads.base import HeadConfig
+from specjax.heads import head_call
 from specjax.heads.vocab import full_vocab_logits
 from specjax.models import layers
 from specjax.rows import at_rows

@@ -32,7 +32,8 @@ from flax import struct
 from specjax import tree as trees
 from specjax.drafters.base import Proposal, TreeProposal
 from specjax.drafters.chain import draft_chain
-from specjax.heads.eagle import HeadConfig, head_call
+from specjax.heads.base import HeadConfig
+from specjax.heads import head_call
 from specjax.heads.vocab import full_vocab_logits
 from specjax.rows import at_rows
 

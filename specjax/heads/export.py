@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from specjax.heads.eagle import HeadConfig
+from specjax.heads.base import HeadConfig
 from specjax.models.config import ModelConfig
 
 

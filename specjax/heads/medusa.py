@@ -19,7 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from specjax.heads.eagle import Dense, HeadConfig, _dense
+from specjax.heads.base import Dense, HeadConfig, dense
 
 
 class MedusaHead(nn.Module):
@@ -34,7 +34,7 @@ class MedusaHead(nn.Module):
     self.blocks = [Dense(c.target_dim, use_bias=True, name=f"block_{k}",
                          kernel_init=nn.initializers.zeros)
                    for k in range(c.medusa_heads)]
-    self.lm_head = _dense(c.draft_vocab, "lm_head")
+    self.lm_head = dense(c.draft_vocab, "lm_head")
 
   def __call__(self, taps_BTF, tok_BT=None, embed_VD=None, positions_BT=None):
     """Logits ``[B, T, K, Vd]`` (the signature of the EAGLE heads' init)."""

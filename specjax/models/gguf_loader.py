@@ -81,6 +81,35 @@ def metadata(reader: gguf.GGUFReader, key: str, default=_REQUIRED):
   return default
 
 
+# The architecture's metadata keys this loader reads; any other (a sliding
+# window, rope scaling, experts, soft-caps) would change the math: refused.
+_READ_KEYS = frozenset("""
+  context_length embedding_length block_count feed_forward_length
+  attention.head_count attention.head_count_kv attention.key_length
+  attention.value_length rope.dimension_count rope.freq_base
+  attention.layer_norm_rms_epsilon vocab_size
+""".split())
+
+
+def _refuse_unread(reader: gguf.GGUFReader, arch: str) -> None:
+  """WeightError naming the first architecture key or tensor that nothing
+  here would honour; also a head size the keys disagree on (partial
+  rotary, other value heads)."""
+  prefix = f"{arch}."
+  unread = sorted(k[len(prefix):] for k in reader.fields
+                  if k.startswith(prefix) and k[len(prefix):] not in _READ_KEYS)
+  if unread:
+    raise WeightError(f"GGUF metadata {prefix}{unread[0]} is not supported")
+  unknown = sorted(t.name for t in reader.tensors if _hf_name(t.name) is None)
+  if unknown:
+    raise WeightError(f"GGUF tensor {unknown[0]!r} is not supported")
+  sizes = {k: metadata(reader, prefix + k, None) for k in (
+      "attention.key_length", "attention.value_length", "rope.dimension_count")}
+  if len({v for v in sizes.values() if v is not None}) > 1:
+    raise WeightError(f"GGUF head sizes disagree ({sizes}): partial rotary "
+                      "or other value heads are not supported")
+
+
 def config_from_gguf(reader: gguf.GGUFReader, name: str = "gguf") -> ModelConfig:
   arch = metadata(reader, "general.architecture")
   if arch not in SUPPORTED_ARCHS:
@@ -92,6 +121,8 @@ def config_from_gguf(reader: gguf.GGUFReader, name: str = "gguf") -> ModelConfig
 
   def a(key, default=_REQUIRED):
     return metadata(reader, f"{arch}.{key}", default)
+
+  _refuse_unread(reader, arch)
 
   dim, heads = a("embedding_length"), a("attention.head_count")
   tokens = metadata(reader, "tokenizer.ggml.tokens", None)

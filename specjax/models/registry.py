@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from specjax import assets, sharding
+from specjax import assets
 from specjax import native as native_mod
 from specjax.models.decoder import Decoder, is_packed, pack_params
 from specjax.models.target import Target
@@ -49,8 +49,7 @@ def default_dtype():
 
 
 def load_model(name_or_path: str, dtype=None, *,
-               native: Optional[bool] = None,
-               mesh: Optional[Mesh] = None) -> Model:
+               native: Optional[bool] = None) -> Model:
   """Loads a known model name, a ``.gguf`` file or an HF checkpoint directory.
 
   ``dtype``: the weights' and cache's dtype (None: ``default_dtype()``);
@@ -58,9 +57,9 @@ def load_model(name_or_path: str, dtype=None, *,
 
   ``native``: pre-arrange the matmul weights for the CPU small-row kernel
   (``decoder.pack_params``); None packs when ``specjax.native.default_on``
-  (CPU backend, f32, kernel built; ``SPECJAX_NATIVE=0`` turns it off) and
-  there is no mesh. ``mesh``: lay the weights out on it
-  (``sharding.shard_params``); decoding then runs over the whole mesh.
+  (CPU backend, f32, kernel built; ``SPECJAX_NATIVE=0`` turns it off).
+  For a mesh, load with ``native=False`` and place the model with
+  ``sharding.on_mesh``.
 
   Raises:
     ValueError: unknown name (message lists the known ones).
@@ -87,20 +86,6 @@ def load_model(name_or_path: str, dtype=None, *,
     tok = Tokenizer.from_gguf(reader)
   cfg = dataclasses.replace(
       cfg, name=name, eos_ids=tuple(sorted(set(cfg.eos_ids) | set(tok.eos_ids))))
-  if mesh is not None:
-    if native:
-      raise ValueError("the native CPU kernels run on one device, not a mesh")
-    return on_mesh(Model(Decoder(cfg), params, tok), mesh)
   if native_mod.default_on(dtype) if native is None else native:
     params = pack_params(params)
   return Model(Decoder(cfg), params, tok)
-
-
-def on_mesh(model: Model, mesh: Optional[Mesh]) -> Model:
-  """``model`` with its weights laid out on ``mesh``
-  (``sharding.shard_params``); unchanged for None."""
-  if mesh is None:
-    return model
-  return dataclasses.replace(
-      model, params=sharding.shard_params(model.params, model.target, mesh),
-      mesh=mesh)

@@ -40,7 +40,7 @@ import ml_dtypes
 import numpy as np
 
 from specjax.training import data as edata
-from specjax.heads.eagle import HeadConfig
+from specjax.heads.base import HeadConfig
 from specjax.training.ttt import TTTBatch, target_outputs
 from specjax.heads.vocab import DraftVocab
 from specjax.models.layers import softcap

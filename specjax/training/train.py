@@ -29,7 +29,8 @@ import optax
 from specjax import sharding
 from specjax.training import data as edata
 from specjax.heads.export import save_head
-from specjax.heads.eagle import FROZEN, HeadConfig, head_module
+from specjax.heads.base import HeadConfig
+from specjax.heads import FROZEN, head_module
 from specjax.training.ttt import head_loss, loss_rows, target_batch
 from specjax.models.target import Target
 from specjax.heads.vocab import DraftVocab, build_draft_vocab, draft_rows
@@ -310,9 +311,9 @@ def setup(cfg: TrainConfig, *, model=None,
           progress: bool = True) -> Setup:
   """Loads the target (onto ``cfg.mesh`` if given) and data, builds Vd and
   the warm-started head."""
-  from specjax.models.registry import load_model, on_mesh
+  from specjax.models.registry import load_model
   mesh = sharding.make_mesh(cfg.mesh) if cfg.mesh else None
-  model = on_mesh(model or load_model(
+  model = sharding.on_mesh(model or load_model(
       cfg.model, native=False if mesh else None), mesh)
   tcfg = model.config
   if examples is None:

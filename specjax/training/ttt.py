@@ -34,7 +34,8 @@ import optax
 from flax import struct
 
 from specjax.training.fused_ce import fused_soft_ce
-from specjax.heads.eagle import HeadConfig, head_call
+from specjax.heads.base import HeadConfig
+from specjax.heads import head_call
 from specjax.heads.vocab import DraftVocab
 from specjax.models.layers import rms_norm
 from specjax.models.target import Target

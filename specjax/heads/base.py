@@ -1,0 +1,146 @@
+"""What every draft head shares: its static shape (``HeadConfig``, with the
+EAGLE-3 taps for any target depth), the dense layer that also runs packed
+native kernels, and packing a head's parameters for them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from specjax import native
+from specjax.models.config import ModelConfig
+from specjax.models.layers import PackedWeight, linear, pack_weight
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadConfig:
+  """Static shape of a head (hashable).
+
+  Attributes:
+    target_dim: D of the target (the head's width too: it adds to the target's
+      embedding and its features).
+    target_vocab: V.
+    target_layers: L of the target (to check a loaded head fits).
+    taps: target layer indices whose *inputs* are fused (low, mid, high).
+    num_heads, num_kv_heads, head_dim: N, G, H of the head's attention.
+    ffn_dim: SwiGLU width.
+    draft_vocab: Vd.
+    rope_theta: the head's own RoPE base.
+    norm_eps: RMSNorm epsilon.
+    variant: "eagle3" (fused low/mid/high taps, own LM head over Vd),
+      "eagle1" (the target's last hidden state after its final norm, the
+      target's LM head over the full vocabulary, frozen) or "medusa"
+      (``heads.medusa``: residual blocks on that last hidden state, one per
+      depth, sharing one LM head over Vd).
+    medusa_heads: a Medusa head's depths (0 for the EAGLE variants).
+  """
+  target_dim: int
+  target_vocab: int
+  target_layers: int
+  taps: tuple[int, ...]
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  ffn_dim: int
+  draft_vocab: int
+  rope_theta: float = 10000.0
+  norm_eps: float = 1e-5
+  variant: str = "eagle3"
+  medusa_heads: int = 0
+
+  def __post_init__(self):
+    if self.variant not in ("eagle3", "eagle1", "medusa"):
+      raise ValueError(f"unknown head variant {self.variant!r}")
+    if (self.variant == "medusa") != (self.medusa_heads > 0):
+      raise ValueError(f"medusa_heads must be > 0 exactly for Medusa heads, "
+                       f"got {self.medusa_heads} for {self.variant}")
+
+  @classmethod
+  def for_target(cls, target: ModelConfig, draft_vocab: int,
+                 variant: str = "eagle3", **overrides) -> "HeadConfig":
+    """Defaults for a target: EAGLE-3 taps three layers' inputs
+    (``eagle3_taps``); EAGLE-1 the last layer's output (tap L) over the full vocabulary,
+    Medusa (4 depths) that tap over Vd; all take the target's attention
+    shape and MLP width (Medusa uses neither)."""
+    L = target.num_layers
+    eagle1 = variant == "eagle1"
+    kw = dict(target_dim=target.dim, target_vocab=target.vocab_size,
+              target_layers=L,
+              taps=overrides.get("taps") or (
+                  eagle3_taps(L) if variant == "eagle3" else (L,)),
+              medusa_heads=4 if variant == "medusa" else 0,
+              variant=variant,
+              num_heads=target.num_heads, num_kv_heads=target.num_kv_heads,
+              head_dim=target.head_dim, ffn_dim=target.ffn_dim,
+              draft_vocab=target.vocab_size if eagle1 else draft_vocab,
+              rope_theta=target.rope_theta,
+              norm_eps=target.norm_eps)
+    kw.update(overrides)
+    return cls(**kw)
+
+  def check_fits(self, target: ModelConfig) -> None:
+    """Raises ValueError naming the first mismatch with ``target``."""
+    for name, mine, theirs in (("hidden size", self.target_dim, target.dim),
+                               ("vocab", self.target_vocab, target.vocab_size),
+                               ("layer count", self.target_layers,
+                                target.num_layers)):
+      if mine != theirs:
+        raise ValueError(f"EAGLE head was trained for a target with {name} "
+                         f"{mine}, this target has {theirs}")
+    if max(self.taps) > target.num_layers or min(self.taps) < 0:
+      raise ValueError(f"EAGLE head taps layers {list(self.taps)}; the "
+                       f"target's taps are 0..{target.num_layers}")
+
+
+def eagle3_taps(num_layers: int) -> tuple[int, ...]:
+  """The layers whose inputs an EAGLE-3 head fuses (low, mid, high): the
+  reference's {2, L//2, L-3} where those are distinct (L >= 7), else three
+  distinct layers spread over the depth. A target with fewer than 3
+  layers has no three distinct taps: ValueError (pass ``taps``)."""
+  L = num_layers
+  if L >= 7:
+    return (2, L // 2, L - 3)
+  if L < 3:
+    raise ValueError(f"an EAGLE-3 head fuses three distinct layers; this "
+                     f"target has {L} (give the head its own taps)")
+  return (0, L // 2, L - 1)
+
+
+class Dense(nn.Dense):
+  """``nn.Dense`` (same parameters, same training) that also runs a kernel
+  ``pack_head`` pre-arranged for the native small-row matmul."""
+
+  def __call__(self, x):
+    if self.has_variable("params", "kernel"):
+      w = self.get_variable("params", "kernel")
+      if isinstance(w, PackedWeight):
+        y = linear(x, w)
+        if self.use_bias:
+          b = self.get_variable("params", "bias")
+          y = y + b.reshape((1,) * (y.ndim - 1) + b.shape)
+        return y
+    return super().__call__(x)
+
+
+def pack_head(params):
+  """A head's parameters with every dense kernel packed for the native CPU
+  matmul (``specjax.native``), as ``decoder.pack_params`` does the target's:
+  for drafting on a packed target. Inference only (no VJP). Kernels that
+  bf16 holds exactly (the shipped head's, stored in bf16) get bf16 panels:
+  drafting reads half the bytes and computes the same f32 products."""
+  is_kernel = lambda path: path[-1].key == "kernel"
+  kernels = [x for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
+             if is_kernel(path)]
+  dtype = (jnp.bfloat16 if all(native.exact_in(w, jnp.bfloat16)
+                               for w in kernels) else jnp.float32)
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: pack_weight(x, dtype) if is_kernel(path) else x,
+      params)
+
+
+def dense(features: int, name: str, use_bias: bool = False) -> Dense:
+  return Dense(features, use_bias=use_bias, name=name,
+               kernel_init=nn.initializers.normal(0.02))
