@@ -311,6 +311,25 @@ def test_native_path_equals_xla(arch):
     _assert_close(a, b)
 
 
+@pytest.mark.parametrize("arch", ["gemma2_softcap", "mistral_window",
+                                  "phi3_fused", "qwen3_qknorm"],
+                         indirect=True)
+def test_a_window_wider_than_the_cache_is_full_attention(arch):
+  """Invariant: a window at least the cache's capacity never binds (no two
+  positions of a row are further apart), so the layer runs as a full one,
+  on the native kernel where that applies: the same logits as without
+  windows, exactly."""
+  _, _, cfg, params, _ = arch  # sliding layers on the full layers' RoPE
+  tok = jnp.asarray(np.random.RandomState(4).randint(0, cfg.vocab_size,
+                                                     (2, 20)))
+  run = lambda c: decoder.forward(decoder.pack_params(params), c, tok,
+                                  decoder.init_cache(c, 2, 24)).logits
+  full = dataclasses.replace(cfg, layer_types=(), sliding_window=None)
+  np.testing.assert_array_equal(
+      run(dataclasses.replace(cfg, sliding_window=24)), run(full))
+  assert np.abs(np.asarray(run(cfg) - run(full))).max() > 1e-2  # it binds
+
+
 def _joint_first_two(cfg, params, draft, sampling, n=50_000, seed=0):
   """n rows of one prompt, K = 2 drafts from ``draft`` (a draft model's
   ``(config, params)``): the histogram of (generated token 1, token 2)

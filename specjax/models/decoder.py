@@ -258,7 +258,10 @@ def forward(params: DecoderParams, cfg: ModelConfig, tokens_BT: jax.Array,
   B, T = tokens_BT.shape
   lengths_B = cache.lengths
   run = tuple(range(cfg.num_layers)) if layers is None else tuple(layers)
-  windows = [cfg.window(i) for i in run]
+  # No two positions of a row are a capacity apart (slot s holds position
+  # s): a window that wide never binds, and its layer runs as a full one.
+  windows = [None if (cfg.window(i) or cache.capacity) >= cache.capacity
+             else cfg.window(i) for i in run]
   if positions_BT is None:
     positions_BT = lengths_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
   if mask_BTT is None:
