@@ -143,14 +143,13 @@ def _rope_entry(mtype: str, rp: dict, where: str) -> tuple[float,
   return theta, scaling
 
 
-def _legacy_rope(f: _Fields, theta_key: str = "rope_theta") -> dict:
+def _legacy_rope(f: _Fields) -> dict:
   """transformers 4's spelling (top-level ``rope_theta``, ``rope_scaling``,
   ``partial_rotary_factor``) as one settings dict."""
   rp = dict(f.get("rope_scaling") or {})
-  for key, name in ((theta_key, "rope_theta"),
-                    ("partial_rotary_factor", "partial_rotary_factor")):
+  for key in ("rope_theta", "partial_rotary_factor"):
     if f.get(key) is not None:
-      rp.setdefault(name, f.get(key))
+      rp.setdefault(key, f.get(key))
   return rp
 
 
@@ -178,8 +177,10 @@ def _layer_types(f: _Fields, mtype: str, num_layers: int,
   names = {"full_attention": FULL, "sliding_attention": SLIDING,
            "attention": FULL}
   given = None if mtype in ("mistral", "phi3") else f.get("layer_types")
-  f.mark("sliding_window_pattern", "_sliding_window_pattern",
-         "max_window_layers")
+  if mtype == "gemma3_text":  # what layer_types were made from
+    f.mark("sliding_window_pattern", "_sliding_window_pattern")
+  if mtype in ("qwen2", "qwen3"):
+    f.mark("max_window_layers")
   if given is not None:
     unknown = sorted(set(given) - set(names))
     if unknown:
