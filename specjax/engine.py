@@ -39,7 +39,7 @@ from flax import struct
 from specjax import sharding, tree as trees
 from specjax.cache import KVCache
 from specjax.drafters.base import Drafter, Proposal, TreeDrafter
-from specjax.models.target import ForwardOutput, Target
+from specjax.models.target import ForwardOutput, Target, missing_members
 from specjax.rows import at_rows, set_at_rows
 from specjax.sampling import SamplingParams, sample_logits, warp
 from specjax.verify import verify_chain
@@ -266,10 +266,8 @@ def prefill(params, prompt_BT: jax.Array,
     target: the model (``models.target.Target``; static), e.g.
       ``Model.target``.
   """
-  if not isinstance(target, Target):
-    missing = [m for m in ("config", "axis_sizes", "init_cache", "forward",
-                           "embedding", "lm_head", "output_norm",
-                           "param_axes") if not hasattr(target, m)]
+  missing = missing_members(target)
+  if missing:
     raise TypeError(f"target must implement specjax.Target (a model's "
                     f"``.target``); {type(target).__name__} lacks "
                     f"{', '.join(missing)}")

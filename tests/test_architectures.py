@@ -18,11 +18,12 @@ import numpy as np
 import pytest
 import torch
 
-from specjax import bucketing, engine
+from specjax import engine
 from specjax.models import decoder
 from specjax.models.decoder import Decoder
 from specjax.models.hf_loader import config_from_hf, load_hf
 from specjax.models.weights import WeightError
+from tests.test_eagle_ttt import greedy_decode
 from tests.tiny_hf import ARCH_CONFIGS, make_tiny
 
 ARCHS = sorted(ARCH_CONFIGS)
@@ -112,20 +113,12 @@ def test_each_feature_binds(arch):
   assert diff > 1e-2, diff
 
 
-def _generate(target, params, dcfg, dparams=None, max_new=32):
-  prompt_BT, lengths = bucketing.pad_prompts(PROMPTS)
-  st = engine.generate_jit(params, prompt_BT, lengths, jax.random.key(0),
-                           np.int32(max_new), target=target, dcfg=dcfg,
-                           drafter_params=dparams)
-  return [st.tokens[b, lengths[b]:st.num_tokens[b]].tolist()
-          for b in range(len(PROMPTS))], st
-
-
 def test_greedy_matches_transformers_generate(arch):
   """Invariant: 32 greedy tokens of specjax's AR decoding (one ragged batch)
   equal transformers' ``generate(do_sample=False)`` for each prompt."""
   _, model, cfg, params, _ = arch
-  ours, _ = _generate(Decoder(cfg), params, engine.DecodeConfig(capacity=S))
+  ours, _ = greedy_decode(params, Decoder(cfg), PROMPTS, 32)(
+      engine.DecodeConfig(capacity=S))
   for p, got in zip(PROMPTS, ours):
     with torch.no_grad():
       ref = model.generate(torch.tensor([p]), do_sample=False,
@@ -166,23 +159,25 @@ def test_tree_attention_equals_root_paths(arch):
   np.testing.assert_allclose(tree(params), alone(params), atol=2e-5)
 
 
-def _drafters(cfg, params, draft_dir):
-  """Every kind of drafter on this target: ``{name: (dcfg kwargs, params)}``."""
+def every_drafter(target, params, draft=None):
+  """Every kind of drafter on ``target``: ``{name: (DecodeConfig kwargs,
+  drafter params)}``; ``draft``: a draft model's ``(target, params)``."""
   from specjax.drafters import (DraftModelDrafter, LayerSkipDrafter,
                                 NGramDrafter)
   from specjax.drafters.eagle import EagleDrafter, EagleParams
   from specjax.heads.base import HeadConfig
   from specjax.heads.vocab import build_draft_vocab
   from specjax.training.train import init_head
-  target, V, L = Decoder(cfg), cfg.vocab_size, cfg.num_layers
+  cfg = target.config
+  V, L = cfg.vocab_size, cfg.num_layers
   hcfg = HeadConfig.for_target(cfg, V, **({} if L >= 3 else dict(
       taps=(0, 1, 2))))
   vocab = build_draft_vocab([np.arange(V)], V, V)
   head = EagleParams(head=init_head(jax.random.key(0), hcfg, target, params,
                                     vocab),
-                     draft_ids=jnp.asarray(vocab.ids), embed=params.embed)
-  draft_cfg, draft_params = load_hf(draft_dir)
-  return {
+                     draft_ids=jnp.asarray(vocab.ids),
+                     embed=target.embedding(params))
+  drafters = {
       "ngram": (dict(drafter=NGramDrafter(), num_draft=4), None),
       "ngram_trie": (dict(drafter=NGramDrafter(num_paths=3), num_draft=4,
                           tree_nodes=8), None),
@@ -191,9 +186,11 @@ def _drafters(cfg, params, draft_dir):
                            num_draft=3, tree_nodes=6), head),
       "layerskip": (dict(drafter=LayerSkipDrafter.from_target(target, 1),
                          num_draft=3), params),
-      "draft_model": (dict(drafter=DraftModelDrafter(Decoder(draft_cfg)),
-                           num_draft=3), draft_params),
   }
+  if draft is not None:
+    drafters["draft_model"] = (dict(drafter=DraftModelDrafter(draft[0]),
+                                    num_draft=3), draft[1])
+  return drafters
 
 
 @pytest.mark.parametrize("arch", [
@@ -206,11 +203,13 @@ def test_every_drafter_greedy_equals_ar(arch, tmp_path):
   drafts were both accepted and rejected along the way."""
   name, _, cfg, params, _ = arch
   make_tiny(name, tmp_path, seed=1)
-  ar, _ = _generate(Decoder(cfg), params, engine.DecodeConfig(capacity=S))
+  run = greedy_decode(params, Decoder(cfg), PROMPTS, 32)
+  ar, _ = run(engine.DecodeConfig(capacity=S))
   drafted = accepted = 0
-  for method, (kw, dparams) in _drafters(cfg, params, tmp_path).items():
-    spec, st = _generate(Decoder(cfg), params,
-                         engine.DecodeConfig(capacity=S, **kw), dparams)
+  draft_cfg, draft_params = load_hf(tmp_path)
+  for method, (kw, dparams) in every_drafter(
+      Decoder(cfg), params, (Decoder(draft_cfg), draft_params)).items():
+    spec, st = run(engine.DecodeConfig(capacity=S, **kw), dparams)
     assert spec == ar, method
     assert int(st.num_drafted.sum()) > 0, method
     drafted += int(st.num_drafted.sum())

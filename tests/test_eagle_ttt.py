@@ -164,15 +164,16 @@ def greedy_batch(tparams, tcfg, hcfg, vocab, prompts, outputs) -> TTTBatch:
   return target_batch(tparams, Decoder(tcfg), hcfg, vocab, tokens, mask)
 
 
-def greedy_decode(tparams, tcfg, prompts, max_new: int = 24):
+def greedy_decode(tparams, target, prompts, max_new: int = 24):
   """``run(dcfg, drafter_params=None) -> (new tokens per row, state)``:
-  ``engine.generate_jit`` on the ragged batch ``prompts`` (seed 0)."""
+  ``engine.generate_jit`` of ``target`` (a ``Target``) on the ragged batch
+  ``prompts`` (seed 0)."""
   from specjax import bucketing, engine
   prompt_BT, lengths = bucketing.pad_prompts(prompts)
 
   def run(dcfg, dparams=None):
     st = engine.generate_jit(tparams, prompt_BT, lengths, jax.random.key(0),
-                             np.int32(max_new), target=Decoder(tcfg), dcfg=dcfg,
+                             np.int32(max_new), target=target, dcfg=dcfg,
                              drafter_params=dparams)
     return [st.tokens[b, lengths[b]:st.num_tokens[b]].tolist()
             for b in range(len(prompts))], st
@@ -224,7 +225,7 @@ def test_eagle_chain_drafting_greedy_identity(tmp_path, variant):
   head = init_head(jax.random.key(0), hcfg, Decoder(tcfg), tparams, vocab)
   prompts = [[5, 6, 7, 8, 5, 6, 7], [9, 1, 9], [3, 4, 3, 4, 3, 4, 3, 4, 3, 4],
              [20]]
-  run = greedy_decode(tparams, tcfg, prompts)
+  run = greedy_decode(tparams, Decoder(tcfg), prompts)
   ar, _ = run(engine.DecodeConfig(capacity=64))
   k = 3
   dparams = EagleParams(head=head, draft_ids=jnp.asarray(vocab.ids),

@@ -152,7 +152,7 @@ def test_medusa_greedy_identity_and_trained_acceptance(tmp_path):
   cfg = dataclasses.replace(CFG, draft_vocab=37)
   vocab = build_draft_vocab([np.arange(37)], 37, 37)
   head = init_head(jax.random.key(0), cfg, Decoder(tcfg), tparams, vocab)
-  decode = greedy_decode(tparams, tcfg, PROMPTS)
+  decode = greedy_decode(tparams, Decoder(tcfg), PROMPTS)
   run = lambda dcfg, head=None: decode(dcfg, head and MedusaParams(
       head=head, draft_ids=jnp.asarray(vocab.ids)))
 

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from examples.plain_jax_target import PlainTarget, init_params
-from specjax import Target, bucketing, engine
+from specjax import Target, engine
 from specjax.models.config import ModelConfig
+from tests.test_eagle_ttt import greedy_decode
 
 CFG = ModelConfig(vocab_size=41, dim=24, num_layers=3, num_heads=4,
                   num_kv_heads=4, head_dim=6, ffn_dim=40, max_position=64,
@@ -45,45 +46,17 @@ def test_it_is_a_target_and_decodes_consistently(own):
   np.testing.assert_allclose(jnp.concatenate(pieces, 1), full, atol=1e-5)
 
 
-def _generate(target, params, dcfg, dparams=None):
-  prompt_BT, lengths = bucketing.pad_prompts(PROMPTS)
-  st = engine.generate_jit(params, prompt_BT, lengths, jax.random.key(0),
-                           np.int32(24), target=target, dcfg=dcfg,
-                           drafter_params=dparams)
-  return [st.tokens[b, lengths[b]:st.num_tokens[b]].tolist()
-          for b in range(len(PROMPTS))], st
-
-
 def test_every_method_runs_on_it_greedy_equal_ar(own):
   """Invariant: on the user's model, n-gram (chain and trie), an untrained
   EAGLE-3 head (chain and dynamic tree) and layer-skip emit AR's greedy
   tokens, and n-gram drafts were accepted."""
-  from specjax.drafters import LayerSkipDrafter, NGramDrafter
-  from specjax.drafters.eagle import EagleDrafter, EagleParams
-  from specjax.heads.base import HeadConfig
-  from specjax.heads.vocab import build_draft_vocab
-  from specjax.training.train import init_head
+  from tests.test_architectures import every_drafter
   target, params = own
-  hcfg = HeadConfig.for_target(CFG, 41)
-  vocab = build_draft_vocab([np.arange(41)], 41, 41)
-  head = EagleParams(head=init_head(jax.random.key(1), hcfg, target, params,
-                                    vocab),
-                     draft_ids=jnp.asarray(vocab.ids),
-                     embed=target.embedding(params))
-  ar, _ = _generate(target, params, engine.DecodeConfig(capacity=48))
-  runs = {
-      "ngram": (dict(drafter=NGramDrafter(), num_draft=3), None),
-      "ngram_trie": (dict(drafter=NGramDrafter(num_paths=3), num_draft=3,
-                          tree_nodes=6), None),
-      "eagle3": (dict(drafter=EagleDrafter(hcfg), num_draft=3), head),
-      "eagle3_tree": (dict(drafter=EagleDrafter(hcfg, tree_width=2),
-                           num_draft=3, tree_nodes=6), head),
-      "layerskip": (dict(drafter=LayerSkipDrafter.from_target(target, 2),
-                         num_draft=3), params),
-  }
+  run = greedy_decode(params, target, PROMPTS)
+  ar, _ = run(engine.DecodeConfig(capacity=48))
+  runs = every_drafter(target, params)
   for name, (kw, dparams) in runs.items():
-    out, st = _generate(target, params,
-                        engine.DecodeConfig(capacity=48, **kw), dparams)
+    out, st = run(engine.DecodeConfig(capacity=48, **kw), dparams)
     assert out == ar, name
     if name.startswith("ngram"):
       assert int(st.accepted_at.sum()) > 0, name

@@ -260,8 +260,8 @@ def forward(params: DecoderParams, cfg: ModelConfig, tokens_BT: jax.Array,
   run = tuple(range(cfg.num_layers)) if layers is None else tuple(layers)
   # No two positions of a row are a capacity apart (slot s holds position
   # s): a window that wide never binds, and its layer runs as a full one.
-  windows = [None if (cfg.window(i) or cache.capacity) >= cache.capacity
-             else cfg.window(i) for i in run]
+  windows = [w if w and w < cache.capacity else None
+             for w in map(cfg.window, run)]
   if positions_BT is None:
     positions_BT = lengths_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
   if mask_BTT is None:

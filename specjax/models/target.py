@@ -92,3 +92,12 @@ class Target(Protocol):
   def param_axes(self, params) -> Any:
     """A tree like ``params`` of logical axes per array (``None`` or a
     tuple naming ``kv_heads``, ``ffn``, ``vocab`` per dimension)."""
+
+
+MEMBERS = ("config", "axis_sizes", "init_cache", "forward", "embedding",
+           "lm_head", "output_norm", "param_axes")
+
+
+def missing_members(obj) -> list[str]:
+  """The ``Target`` members ``obj`` lacks (none: it is a target)."""
+  return [m for m in MEMBERS if not hasattr(obj, m)]
