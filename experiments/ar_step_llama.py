@@ -25,7 +25,8 @@ PROMPT = ("Write a long, detailed essay about the history of the printing "
 def main():
   from experiments import bench_peers
   from experiments.common import machine
-  from specjax import assets, bench
+  from specjax import assets
+  from specjax.measure import bench
   from specjax.models.registry import load_model
   model = load_model("smollm2-135m")
   ids = model.tokenizer.encode_chat(PROMPT)

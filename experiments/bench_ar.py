@@ -28,12 +28,14 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from experiments.common import CHAT_PROMPTS, machine, median, timed  # noqa: E402
-from specjax.bench import git_sha  # noqa: E402
-from specjax import assets, bucketing, engine, native  # noqa: E402
+from specjax import assets
+from specjax.core import bucketing, engine
+from specjax.kernels import native  # noqa: E402
+from specjax.measure.bench import git_sha  # noqa: E402
 from specjax.models import decoder  # noqa: E402
+from specjax.models.decoder import Decoder  # noqa: E402
 from specjax.models.registry import load_model  # noqa: E402
 from specjax.models.weights import num_params  # noqa: E402
-from specjax.models.decoder import Decoder  # noqa: E402
 
 NEW_TOKENS = 128
 

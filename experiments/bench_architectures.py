@@ -28,11 +28,11 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from experiments.common import machine, median, timed  # noqa: E402
-from specjax import bucketing, engine  # noqa: E402
-from specjax.bench import git_sha  # noqa: E402
-from specjax.models.hf_loader import config_from_hf, load_hf  # noqa: E402
+from specjax.core import bucketing, engine  # noqa: E402
+from specjax.kernels import native  # noqa: E402
+from specjax.measure.bench import git_sha  # noqa: E402
 from specjax.models.decoder import Decoder, pack_params  # noqa: E402
-from specjax import native  # noqa: E402
+from specjax.models.hf_loader import config_from_hf, load_hf  # noqa: E402
 
 NEW = 64
 SIZE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,

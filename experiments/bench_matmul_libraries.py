@@ -7,7 +7,7 @@ library multiplies the same M rows by all of SmolLM2-135M's matmul weights
 (120 layer matrices and the LM head, 538 MB of f32), each in the layout it
 prefers, with the machine's cores:
 
-  native    ``specjax.native.small_matmul`` on packed panels (jitted);
+  native    ``specjax.kernels.native.small_matmul`` on packed panels (jitted);
   xla       XLA's dot, ``x @ W`` (jitted), the path it replaces;
   openblas  numpy's ``x @ W`` (numpy links the scipy-openblas build);
   mkl       torch's ``F.linear`` on ``[out, in]`` weights (MKL's sgemm);
@@ -35,8 +35,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from experiments.bench_verify import programs, weights_KN  # noqa: E402
 from experiments.common import machine, median  # noqa: E402
-from specjax import native  # noqa: E402
-from specjax.bench import git_sha  # noqa: E402
+from specjax.kernels import native  # noqa: E402
+from specjax.measure.bench import git_sha  # noqa: E402
 from specjax.models.registry import load_model  # noqa: E402
 
 

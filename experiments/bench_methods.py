@@ -10,7 +10,7 @@ positional spec is NAME[:k=K][:nodes=M][:width=W][:shape=S][:conf=C]
 size and branching, shape a static tree as in --tree-shape, head a head
 file), so e.g. fixed and dynamic K, chain, dynamic and static trees, or two
 heads, share the AR baseline of one run. Prints and appends one JSON line per
-spec (the `specjax.bench` contract; `config` records the knobs).
+spec (the `specjax.measure.bench` contract; `config` records the knobs).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ _KEYS = {"k": ("num_draft", int), "conf": ("min_confidence", float),
 
 
 def parse_spec(text: str):
-  from specjax.methods import MethodSpec
+  from specjax.drafters.methods import MethodSpec
   name, *knobs = text.split(":")
   kw = {}
   for knob in knobs:
@@ -66,12 +66,14 @@ def main(argv=None):
       open(path, "a", encoding="utf-8").close()
 
   from experiments.common import machine
-  from specjax import bench, data, methods
+  from specjax import data
+  from specjax.core.sampling import SamplingParams
+  from specjax.drafters import methods
+  from specjax.measure import bench
   from specjax.models.decoder import is_packed
   from specjax.models.registry import load_model
-  from specjax.sampling import SamplingParams
   specs = [parse_spec(s) for s in args.specs]
-  from specjax.sharding import make_mesh, on_mesh
+  from specjax.core.sharding import make_mesh, on_mesh
   mesh = make_mesh(args.mesh) if args.mesh else None
   model = on_mesh(load_model("smollm2-135m",
                              native=False if args.xla or mesh else None), mesh)

@@ -57,7 +57,8 @@ def version(dist: str) -> str:
 
 def specjax_engine(model, specs, max_new: int) -> dict[str, Call]:
   """AR and each bench_methods spec, by its text."""
-  from specjax import methods, runner
+  from specjax.core import runner
+  from specjax.drafters import methods
   from experiments.bench_methods import parse_spec
 
   def call_for(text):
@@ -280,7 +281,8 @@ def main(argv=None):
       open(p, "a").close()
 
   from experiments.common import machine
-  from specjax import bench, data
+  from specjax import data
+  from specjax.measure import bench
   from specjax.models.registry import KNOWN_MODELS, load_model
   path = pathlib.Path(KNOWN_MODELS[args.model]() if args.model in KNOWN_MODELS
                       else args.model)

@@ -32,8 +32,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from experiments.common import machine, median, timed  # noqa: E402
 from experiments.gpu_cost_curve import context_cache, donated_forward  # noqa: E402,E501
-from specjax import native  # noqa: E402
-from specjax.bench import git_sha  # noqa: E402
+from specjax.kernels import native  # noqa: E402
+from specjax.measure.bench import git_sha  # noqa: E402
 from specjax.models.registry import load_model  # noqa: E402
 
 

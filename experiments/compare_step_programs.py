@@ -24,7 +24,7 @@ _DUMP = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
 import jax, numpy as np
-from specjax import bucketing, engine
+from specjax.core import bucketing, engine
 from specjax.drafters import NGramDrafter
 from specjax.models.registry import load_model
 m = load_model("smollm2-135m")

@@ -17,8 +17,10 @@ import sys
 def main(root: str):
   sys.path.insert(0, root)
   from experiments.common import CHAT_PROMPTS
-  from specjax import bench, methods, runner
-  from specjax.methods import MethodSpec
+  from specjax.core import runner
+  from specjax.drafters import methods
+  from specjax.drafters.methods import MethodSpec
+  from specjax.measure import bench
   from specjax.models.registry import load_model
   model = load_model("smollm2-135m")
   ids = [model.tokenizer.encode_chat(p) for p in CHAT_PROMPTS]

@@ -86,10 +86,10 @@ def forward_program(cfg: ModelConfig, params, B: int, T: int, context: int):
 def head_program(cfg: ModelConfig, B: int, K: int, dtype, context: int):
   """``(jitted propose, (params, state, tokens, num_tokens, key))``: an
   EAGLE-3 head drafting K tokens greedily after a verify of K + 1."""
+  from specjax.core.sampling import SamplingParams
   from specjax.drafters.eagle import EagleDrafter, EagleParams
-  from specjax.heads.base import HeadConfig
   from specjax.heads import head_module
-  from specjax.sampling import SamplingParams
+  from specjax.heads.base import HeadConfig
   hcfg = HeadConfig.for_target(cfg, min(DRAFT_VOCAB, cfg.vocab_size))
   drafter = EagleDrafter(hcfg)
   F = len(hcfg.taps) * cfg.dim
@@ -231,7 +231,7 @@ def predicted_speedups(curve: dict, alpha: float | None = None
   A step costs propose(1) + (K - 1) head steps + a forward over K + 1, in
   one-token forwards; ``alpha`` defaults to the shipped head's MT-bench
   T = 0 prior."""
-  from specjax import theory, tuner
+  from specjax.measure import theory, tuner
   if alpha is None:
     alpha, _ = tuner.alpha_for("eagle3", "chat", 0.0)
   out = []

@@ -293,9 +293,9 @@ def plan_steps(times: dict, cfg, seconds: float,
 def cmd_probe(args) -> int:
   """Child of call 1: the GPU config on a random target of the real shape."""
   import jax
-  from specjax.training import train as etrain
   from specjax.models.decoder import Decoder, random_params
   from specjax.models.registry import Model
+  from specjax.training import train as etrain
   scratch = pathlib.Path(args.scratch)
   man, _ = kit_files.manifest()
   tcfg = target_config(man)
@@ -348,11 +348,11 @@ def smoke(work: pathlib.Path) -> dict:
     importlib.import_module(name)
   import jax
   import numpy as np
-  from specjax.training import data as edata
-  from specjax.training import train as etrain
   from specjax.models.config import ModelConfig
   from specjax.models.decoder import Decoder, random_params
   from specjax.models.registry import Model
+  from specjax.training import data as edata
+  from specjax.training import train as etrain
   t0 = time.time()
   mcfg = ModelConfig(vocab_size=96, dim=32, num_layers=3, num_heads=4,
                      num_kv_heads=2, head_dim=8, ffn_dim=40,
@@ -552,7 +552,8 @@ def decode_bench(model, head: str, heldout, new_tokens: int = 128,
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from specjax import methods, runner
+  from specjax.core import runner
+  from specjax.drafters import methods
   bf16 = lambda tree: jax.tree.map(
       lambda a: a.astype(jnp.bfloat16)
       if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)

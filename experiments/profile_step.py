@@ -26,8 +26,8 @@ def pieces(model, dcfg, dparams, state):
   """``{name: (jitted fn, args)}`` of one step's stages, each fed the real
   outputs of the stage before (computed once, untimed)."""
   import jax
-  from specjax import engine, tree as trees
-  from specjax.sampling import warp
+  from specjax.core import engine, tree as trees
+  from specjax.core.sampling import warp
   cfg, sp = model.config, dcfg.sampling
   live_B = ~state.done
   key = jax.random.key(1)
@@ -60,7 +60,7 @@ def pieces(model, dcfg, dparams, state):
         p, s, pr, l, target=Decoder(cfg), dcfg=dcfg))
     fo, _ = score(model.params, state, prop, live_B)
     out["verify_forward"] = (score, (model.params, state, prop, live_B))
-    from specjax.verify import verify_chain
+    from specjax.core.verify import verify_chain
     ver = jax.jit(lambda pr, lg, k: verify_chain(
         pr.tokens, pr.probs, warp(lg, sp), pr.num_draft, k,
         greedy=sp.greedy))
@@ -86,7 +86,10 @@ def main(argv=None):
   import numpy as np
   from experiments.bench_methods import parse_spec
   from experiments.common import machine
-  from specjax import bench, bucketing, data, engine, methods
+  from specjax import data
+  from specjax.core import bucketing, engine
+  from specjax.drafters import methods
+  from specjax.measure import bench
   from specjax.models.registry import load_model
   model = load_model("smollm2-135m")
   prompt = data.load_prompts("mtbench", args.prompt + 1)[args.prompt]

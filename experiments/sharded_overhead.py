@@ -44,10 +44,12 @@ def main(argv=None) -> int:
                              f"host_platform_device_count={args.devices}")
   import jax
   from experiments.common import machine
-  from specjax import data, methods, runner, sharding
-  from specjax.bench import git_sha
+  from specjax import data
+  from specjax.core import runner, sharding
+  from specjax.core.sharding import on_mesh
+  from specjax.drafters import methods
+  from specjax.measure.bench import git_sha
   from specjax.models.registry import load_model
-  from specjax.sharding import on_mesh
 
   base = load_model("smollm2-135m", native=False)
   prompts = data.load_prompts("mtbench", args.batch)

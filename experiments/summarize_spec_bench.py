@@ -28,7 +28,7 @@ TASK_OF = {"mtbench": "chat", "humaneval": "code", "sharegpt": "chat"}
 
 def alpha_from_tau(tau: float, k: int) -> float:
   """Bisection on the monotone map α -> E[tokens](α, K)."""
-  from specjax.theory import expected_tokens
+  from specjax.measure.theory import expected_tokens
   lo, hi = 0.0, 1.0
   tau = min(max(tau, 1.0), k + 1.0)
   for _ in range(60):

@@ -15,7 +15,7 @@ import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from specjax import theory  # noqa: E402
+from specjax.measure import theory  # noqa: E402
 
 
 def main(argv=None):

@@ -78,10 +78,13 @@ def main(argv=None):
   from tqdm import tqdm
 
   from experiments.common import machine
-  from specjax import bench, data, methods, runner
+  from specjax import data
+  from specjax.core import runner
+  from specjax.core.sampling import SamplingParams
+  from specjax.drafters import methods
+  from specjax.measure import bench
+  from specjax.measure.theory import shape_text
   from specjax.models.registry import load_model
-  from specjax.sampling import SamplingParams
-  from specjax.theory import shape_text
   paths = caterpillar(args.depth, args.ranks)
   spec = methods.MethodSpec(args.method, head=args.head,
                             tree_shape=shape_text(paths))

@@ -34,7 +34,7 @@ def greedy_outputs(model, ids, max_new_tokens: int, path: pathlib.Path,
   """Each prompt's greedy output (cached in ``path``)."""
   if path.is_file():
     return json.loads(path.read_text())
-  from specjax import runner
+  from specjax.core import runner
   out = []
   for i in range(0, len(ids), batch):
     res = runner.generate_ids(model, ids[i:i + batch],
@@ -88,9 +88,11 @@ def main(argv=None) -> int:
   import jax
   import jax.numpy as jnp
   from experiments.common import machine
-  from specjax import bench, data, methods
+  from specjax import data
   from specjax.drafters import LookupDrafter, NGramDrafter
-  from specjax.methods import MethodSpec
+  from specjax.drafters import methods
+  from specjax.drafters.methods import MethodSpec
+  from specjax.measure import bench
   from specjax.models.registry import load_model
 
   model = load_model("smollm2-135m")

@@ -42,7 +42,7 @@ def main(argv=None):
   args = ap.parse_args(argv)
 
   from experiments.common import machine
-  from specjax import bench
+  from specjax.measure import bench
   from specjax.models.registry import load_model
   from specjax.training import data as edata
   from specjax.training import evaluate, train

@@ -11,25 +11,26 @@ Axis vocabulary, used in names (``logits_BTV``) and einsum strings everywhere:
 Public API (everything else is an implementation detail):
 """
 
-from specjax.bucketing import bucket_length, capacity_for, pad_prompts
-from specjax.cache import KVCache
+from specjax.core.bucketing import bucket_length, capacity_for, pad_prompts
+from specjax.core.cache import KVCache
+from specjax.core.engine import (DecodeConfig, DecodeState, generate,
+                                 generate_jit, prefill, prefill_jit, step,
+                                 step_jit, stream)
+from specjax.core.runner import BatchResult, RowResult, generate_ids
+from specjax.core.sampling import SamplingParams, sample_logits, warp
+from specjax.core.sharding import make_mesh, on_mesh, shard_params
+from specjax.core.tree import Tree, TreeResult, verify_tree
+from specjax.core.verify import ChainResult, verify_chain
 from specjax.drafters import (Datastore, DraftModelDrafter, LayerSkipDrafter,
                               NGramDrafter, Proposal, RetrievalDrafter,
                               build_datastore, sharegpt_datastore)
-from specjax.engine import (DecodeConfig, DecodeState, generate, generate_jit,
-                            prefill, prefill_jit, step, step_jit, stream)
-from specjax.methods import MethodSpec
-from specjax.methods import build as build_method
+from specjax.drafters.methods import MethodSpec
+from specjax.drafters.methods import build as build_method
 from specjax.models.config import ModelConfig, RopeScaling
 from specjax.models.decoder import Decoder
 from specjax.models.registry import Model, load_model
 from specjax.models.target import ForwardOutput, Target
 from specjax.models.tokenizer import StreamDecoder, Tokenizer
-from specjax.runner import BatchResult, RowResult, generate_ids
-from specjax.sampling import SamplingParams, sample_logits, warp
-from specjax.sharding import make_mesh, on_mesh, shard_params
-from specjax.tree import Tree, TreeResult, verify_tree
-from specjax.verify import ChainResult, verify_chain
 
 __version__ = "0.1.0"
 

@@ -21,16 +21,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import bucketing, engine, sharding
+from specjax.core import bucketing, engine, sharding
+from specjax.core.sampling import SamplingParams
 from specjax.drafters import NGramDrafter
 from specjax.drafters.eagle import EagleDrafter, EagleParams
 from specjax.heads.base import HeadConfig
 from specjax.heads.vocab import build_draft_vocab
 from specjax.models import decoder
 from specjax.models.config import ModelConfig
-from specjax.sampling import SamplingParams
-from specjax.training.train import init_head
 from specjax.models.decoder import Decoder
+from specjax.training.train import init_head
 
 CFG = ModelConfig(vocab_size=64, dim=32, num_layers=3, num_heads=16,
                   num_kv_heads=8, head_dim=4, ffn_dim=48)
@@ -163,9 +163,9 @@ def multihost_main(port: int, pid: int) -> dict:
   process 0's devices, 4-7 on process 1's), against this process's own
   one-device run."""
   sharding.initialize_distributed(f"127.0.0.1:{port},2,{pid}")
-  from specjax import runner
+  from specjax.core import runner
+  from specjax.core.sharding import on_mesh
   from specjax.models.registry import Model
-  from specjax.sharding import on_mesh
   params = decoder.random_params(jax.random.key(0), CFG, scale=0.3)
   one = Model(target=Decoder(CFG), params=params, tokenizer=None)
   meshed = on_mesh(one, sharding.make_mesh("data=4,model=2"))

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from specjax import engine
+from specjax.core import engine
 from specjax.models import decoder
 from specjax.models.decoder import Decoder
 from specjax.models.hf_loader import config_from_hf, load_hf
@@ -297,7 +297,7 @@ def test_native_path_equals_xla(arch):
   every architecture: the kernel's attention where it computes the layer
   (full attention, no soft-cap; another query scale folded into q), XLA's
   on sliding and soft-capped layers."""
-  from specjax import native
+  from specjax.kernels import native
   from tests.test_native import _assert_close, _logits
   if not native.available():
     pytest.skip("native kernels not built")
@@ -333,8 +333,8 @@ def _joint_first_two(cfg, params, draft, sampling, n=50_000, seed=0):
   """n rows of one prompt, K = 2 drafts from ``draft`` (a draft model's
   ``(config, params)``): the histogram of (generated token 1, token 2)
   and the exact joint of the target's warped distributions."""
+  from specjax.core.sampling import warp
   from specjax.drafters import DraftModelDrafter
-  from specjax.sampling import warp
   prompt = [5, 6, 7]
   dcfg = engine.DecodeConfig(capacity=16, sampling=sampling, num_draft=2,
                              drafter=DraftModelDrafter(Decoder(draft[0])))
@@ -362,7 +362,7 @@ def test_sampled_speculation_follows_the_target(arch, tmp_path, monkeypatch):
   distribution on it (chi-square below the 99.9% critical value) and
   drafts were accepted. Mutation: verifying against the temperature-only
   distribution (top-k/top-p dropped on the target side) must fail."""
-  from specjax.sampling import SamplingParams
+  from specjax.core.sampling import SamplingParams
   from tests.test_speculative import _chi2
   name, _, cfg, params, _ = arch
   make_tiny(name, tmp_path, seed=1)

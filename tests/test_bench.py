@@ -1,10 +1,11 @@
-"""``specjax.bench``: the JSON contract and the bookkeeping behind it."""
+"""``measure.bench``: the JSON contract and the bookkeeping behind it."""
 
 import numpy as np
 import pytest
 
-from specjax import bench, methods
-from specjax.sampling import SamplingParams
+from specjax.core.sampling import SamplingParams
+from specjax.drafters import methods
+from specjax.measure import bench
 
 CONTRACT = ("method", "dataset", "temperature", "num_prompts", "new_tokens",
             "tau", "acceptance_per_position", "tokens_per_s",
@@ -54,7 +55,7 @@ def test_journal_resumes_a_cut_run(smollm2, tmp_path, monkeypatch):
   from it and reports what an uninterrupted run reports (everything but
   timings); a torn last line is skipped, and a journal of other settings
   is never read back."""
-  from specjax import runner
+  from specjax.core import runner
   prompts = [smollm2.tokenizer.encode_chat(p) for p in
              ("Repeat after me: one two three, one two three.",
               "Count from 1 to 12, separated by commas.")]

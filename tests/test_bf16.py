@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import bucketing, engine
+from specjax.core import bucketing, engine
 from specjax.drafters import (DraftModelDrafter, LayerSkipDrafter,
                               NGramDrafter)
 from specjax.drafters.eagle import EagleDrafter, EagleParams
@@ -15,10 +15,10 @@ from specjax.drafters.medusa import MedusaDrafter, MedusaParams
 from specjax.heads.base import HeadConfig
 from specjax.heads.vocab import build_draft_vocab
 from specjax.models import decoder
+from specjax.models.decoder import Decoder
 from specjax.models.hf_loader import load_hf
 from specjax.models.registry import default_dtype
 from specjax.training.train import init_head
-from specjax.models.decoder import Decoder
 from tests.tiny_hf import make_tiny
 
 BF16 = jnp.bfloat16

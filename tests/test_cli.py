@@ -12,7 +12,7 @@ import sys
 import pytest
 
 _RUN = ("import sys; import specjax.assets as a; {patch}; "
-        "from specjax.cli import main; sys.exit(main(sys.argv[1:]))")
+        "from specjax.cli.main import main; sys.exit(main(sys.argv[1:]))")
 
 
 def _cli(*args, patch="pass", timeout=300):
@@ -31,7 +31,7 @@ def _assert_usage_error(proc, *needles):
 
 def _main(capsys, *args):
   """``cli.main`` in-process, as a CompletedProcess-like result."""
-  from specjax.cli import main
+  from specjax.cli.main import main
   capsys.readouterr()
   try:
     code = main(list(args))
@@ -51,7 +51,7 @@ def _load_each_model_once(monkeypatch):
   """The in-process CLI loads (and packs) each model once for the module:
   the cases here check arguments, not loading, which a failing name still
   reaches (errors are not kept)."""
-  from specjax import cli
+  from specjax.cli import main as cli
   real = cli._load
 
   def load(name, mesh_spec=None, dtype=None):

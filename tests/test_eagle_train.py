@@ -7,10 +7,10 @@ import json
 import numpy as np
 import pytest
 
+from specjax.models.decoder import Decoder
+from specjax.models.registry import Model
 from specjax.training import data as edata
 from specjax.training import train as etrain
-from specjax.models.registry import Model
-from specjax.models.decoder import Decoder
 
 
 def make_tiny_model(d) -> Model:
@@ -138,9 +138,9 @@ def test_feature_cache_equals_on_the_fly_and_resumes(tiny_model, tmp_path):
   taps to one bf16 ulp (2^-7 relative); (3) a
   build killed after one batch resumes to the same files as an unbroken
   one; (4) a cache of other examples is rebuilt, never reused."""
+  from specjax.heads.vocab import draft_rows
   from specjax.training import features as efeat
   from specjax.training.ttt import target_batch
-  from specjax.heads.vocab import draft_rows
   ex = _examples(n=5)
   s = etrain.setup(CFG, model=tiny_model, examples=_examples(), progress=False)
   tp, tcfg = tiny_model.params, tiny_model.config
@@ -248,8 +248,8 @@ def test_eagle1_keeps_target_copies_frozen(tiny_model, tmp_path):
   """Invariant: training an EAGLE-1 head leaves its copies of the target's
   final norm and LM head exactly as initialized, while the rest moves."""
   import jax
-  from specjax.heads.vocab import build_draft_vocab
   from specjax.heads.base import HeadConfig
+  from specjax.heads.vocab import build_draft_vocab
   cfg = dataclasses.replace(CFG, variant="eagle1", ttt_steps=1, steps=3,
                             draft_vocab=37)
   run = etrain.train(cfg, tmp_path, model=tiny_model, examples=_examples(),
@@ -271,7 +271,7 @@ def test_heldout_accuracy_ignores_batch_padding(tiny_model, tmp_path):
   last, wrapped batch is masked out); with Vd = the whole vocabulary every
   position is covered; expected τ of a constant α is the closed form
   (1 - α^(K+1)) / (1 - α)."""
-  from specjax import theory
+  from specjax.measure import theory
   from specjax.training import evaluate
   cfg = dataclasses.replace(CFG, heldout=5, draft_vocab=37)
   s = etrain.setup(cfg, model=tiny_model, examples=_examples(n=12),
@@ -295,9 +295,9 @@ def test_regenerate_keeps_context_and_resumes(tiny_model, tmp_path,
   context (the runner, one row alone), masked as output; (3) a run
   interrupted after its first batch resumes from the saved batches and
   returns the same arrays as an uninterrupted one."""
-  from specjax import runner
+  from specjax.core import runner
+  from specjax.core.sampling import SamplingParams
   from specjax.training.regenerate import regenerate
-  from specjax.sampling import SamplingParams
   ex = _examples(n=5)
   kw = dict(max_new_tokens=6, sampling=SamplingParams(), batch_size=2,
             progress=False)

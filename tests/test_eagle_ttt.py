@@ -11,9 +11,9 @@ from specjax.heads.eagle import Eagle3Head
 from specjax.heads.vocab import build_draft_vocab
 from specjax.models import decoder
 from specjax.models import layers
+from specjax.models.decoder import Decoder
 from specjax.training.ttt import TTTBatch, dense_mask, target_batch, ttt_loss
 from specjax.training.ttt import loss_rows
-from specjax.models.decoder import Decoder
 
 # All-different dims: D=24, N=6, G=2, H=4, F=40, V=37, Vd=29, T=11, taps 3.
 CFG = HeadConfig(target_dim=24, target_vocab=37, target_layers=3,
@@ -153,6 +153,92 @@ def test_head_config_must_fit_the_target():
       CFG.check_fits(bad)
 
 
+def _split_layout(params):
+  """A head's parameters in format 1's layout (the split kernels HF and the
+  EAGLE reference code store)."""
+  from specjax.models.decoder import split_qkv
+  p = dict(params)
+  lay = p.pop("layer")
+  wq, wk, wv = split_qkv(lay["wqkv"], CFG.num_kv_heads, CFG.head_dim)
+  gate, up = layers.split_gate_up(lay["w_gate_up"])
+  p.update({n: {"kernel": w} for n, w in dict(
+      wq=wq, wk=wk, wv=wv, wo=lay["wo"], w_gate=gate, w_up=up,
+      w_down=lay["w_down"]).items()})
+  p["mlp_norm"] = {"scale": lay["mlp_norm"]}
+  return p
+
+
+def test_head_layer_is_the_eagle3_layer_and_old_files_load(tmp_path):
+  """Invariants: the head (the decoder's layer in its fused layout) computes
+  the EAGLE-3 layer written out here from its definition on the split
+  kernels -- z = [in_norm(e), hidden_norm(h)], causal GQA attention with
+  RoPE, residual on h, SwiGLU, norm, LM head -- and a format-1 file (split
+  kernels: the shipped heads) loads to exactly the same parameters."""
+  import json
+  from specjax.heads.export import load_head, save_head
+  params, embed = _init()
+  params = jax.tree.map(lambda x: x * 1.3 + 0.1 if x.ndim == 1 else x, params)
+  sp = _split_layout(params)
+  k = jax.random.split(jax.random.key(5), 2)
+  taps = jax.random.normal(k[0], (B, T, 3 * CFG.target_dim))
+  tok = jax.random.randint(k[1], (B, T), 0, CFG.target_vocab)
+  pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+  got = Eagle3Head(CFG).apply({"params": params}, taps, tok, embed, pos)
+
+  # The reference, in NumPy (f64) on the split kernels.
+  w = {n: np.asarray(v.get("kernel", v.get("scale")), np.float64)
+       for n, v in sp.items()}
+  taps, tok, e_VD = np.asarray(taps, np.float64), np.asarray(tok), np.asarray(
+      embed, np.float64)
+
+  def norm(x, scale):
+    return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + CFG.norm_eps) * scale
+
+  N, G, H = CFG.num_heads, CFG.num_kv_heads, CFG.head_dim
+  h = taps @ w["fc"]
+  z = np.concatenate([norm(e_VD[tok], w["in_norm"]),
+                      norm(h, w["hidden_norm"])], -1)
+  inv = 1.0 / CFG.rope_theta ** (np.arange(H // 2) * 2 / H)
+  ang = np.arange(T)[:, None] * inv[None, :]
+  cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+
+  def rot(x):
+    x1, x2 = x[..., :H // 2], x[..., H // 2:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+  q = rot((z @ w["wq"]).reshape(B, T, N, H))
+  kk = np.repeat(rot((z @ w["wk"]).reshape(B, T, G, H)), N // G, axis=2)
+  v = np.repeat((z @ w["wv"]).reshape(B, T, G, H), N // G, axis=2)
+  s = np.einsum("btnh,bsnh->bnts", q, kk) / np.sqrt(H)
+  s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+  p = np.exp(s - s.max(-1, keepdims=True))
+  a = np.einsum("bnts,bsnh->btnh", p / p.sum(-1, keepdims=True), v)
+  r = h + a.reshape(B, T, N * H) @ w["wo"]
+  x = norm(r, w["mlp_norm"])
+  g = x @ w["w_gate"]
+  out = r + (g / (1 + np.exp(-g)) * (x @ w["w_up"])) @ w["w_down"]
+  want = norm(out, w["norm"]) @ w["lm_head"]
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+  path = tmp_path / "old.npz"
+  save_head(path, CFG, sp, np.arange(CFG.draft_vocab), dtype=jnp.float32)
+  with np.load(path) as z:
+    files = {k: z[k] for k in z.files}
+  meta = json.loads(bytes(files.pop("meta")).decode())
+  meta["format"] = 1
+  np.savez(path, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8),
+           **files)
+  _, loaded, _ = load_head(path)
+  assert jax.tree.structure(loaded) == jax.tree.structure(params)
+  for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params)):
+    np.testing.assert_array_equal(a, b)
+  meta["format"] = 3
+  np.savez(path, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8),
+           **files)
+  with pytest.raises(ValueError, match="has format 3"):
+    load_head(path)
+
+
 def greedy_batch(tparams, tcfg, hcfg, vocab, prompts, outputs) -> TTTBatch:
   """A training batch of the target's own greedy continuations (prompt +
   output per row, right-padded; the loss on the outputs only)."""
@@ -168,7 +254,7 @@ def greedy_decode(tparams, target, prompts, max_new: int = 24):
   """``run(dcfg, drafter_params=None) -> (new tokens per row, state)``:
   ``engine.generate_jit`` of ``target`` (a ``Target``) on the ragged batch
   ``prompts`` (seed 0)."""
-  from specjax import bucketing, engine
+  from specjax.core import bucketing, engine
   prompt_BT, lengths = bucketing.pad_prompts(prompts)
 
   def run(dcfg, dparams=None):
@@ -212,10 +298,10 @@ def test_eagle_chain_drafting_greedy_identity(tmp_path, variant):
   EAGLE-2 dynamic trees too (width 3 cut to 7 nodes; width 2, all 10
   candidates) and for the static tree 2x2x1: the tree's head blocks,
   ancestor masks and the features gathered along the accepted path."""
-  from specjax import engine
+  from specjax.core import engine
   from specjax.drafters.eagle import EagleDrafter, EagleParams
-  from specjax.training.train import init_head
   from specjax.models.hf_loader import load_hf
+  from specjax.training.train import init_head
   from tests.tiny_hf import make_tiny
   make_tiny("llama_gqa_tied", tmp_path, seed=3)
   tcfg, tparams = load_hf(tmp_path)
@@ -298,11 +384,11 @@ def test_static_trees_match_dynamic_and_chain_drafts(tmp_path, variant):
   chain's 3 tokens, and a 4-deep spine writes the head entries a chain
   writes (positions, scratch slots and visibility of static levels agree
   with the chain's); a shape deeper than K is refused."""
-  from specjax import bucketing, engine, tree
+  from specjax.core import bucketing, engine, tree
+  from specjax.core.sampling import SamplingParams
   from specjax.drafters.eagle import EagleDrafter, EagleParams
   from specjax.heads.base import HeadConfig as HC
   from specjax.models.hf_loader import load_hf
-  from specjax.sampling import SamplingParams
   from specjax.training.train import init_head
   from tests.tiny_hf import make_tiny
   assert tuple(tree.parse_shape("2x2x1")) == SHAPE_2X2X1
@@ -373,10 +459,10 @@ def test_leviathan_with_real_head_draft_probabilities(tmp_path):
   verifications follows the target (chi-square below the 99.9% critical
   value; tests/test_verify.py shows the same check failing for wrong
   verifiers)."""
-  from specjax import verify
+  from specjax.core import verify
+  from specjax.core.sampling import SamplingParams, warp
   from specjax.drafters.eagle import EagleDrafter, EagleParams
   from specjax.models.hf_loader import load_hf
-  from specjax.sampling import SamplingParams, warp
   from tests.test_verify import N, _chi2_ok, _draft
   from tests.tiny_hf import make_tiny
   make_tiny("llama_gqa_tied", tmp_path, seed=3)
@@ -454,9 +540,9 @@ def _eagle_joint_first_three(tparams, tcfg, hcfg, dparams, n=60_000,
   generated tokens (the prefill's, then the first verify step's: draft
   positions 0 and 1), the target's exact joint q(t1) q(t2|t1) q(t3|t1 t2)
   and each row's drafted count."""
-  from specjax import engine
+  from specjax.core import engine
+  from specjax.core.sampling import SamplingParams
   from specjax.drafters.eagle import EagleDrafter
-  from specjax.sampling import SamplingParams
   prompt = [4, 8, 15, 16]
   V = tcfg.vocab_size
   dcfg = engine.DecodeConfig(capacity=16, sampling=SamplingParams(1.0),

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from specjax import bucketing, engine
+from specjax.core import bucketing, engine
+from specjax.core.sampling import SamplingParams, warp
 from specjax.drafters import NGramDrafter
 from specjax.models import decoder
-from specjax.models.hf_loader import load_hf
-from specjax.sampling import SamplingParams, warp
 from specjax.models.decoder import Decoder
+from specjax.models.hf_loader import load_hf
 from tests.tiny_hf import make_tiny
 
 PROMPTS = [[5, 17, 3], [9, 1, 30, 22, 8, 14, 2, 6], [33], [4, 4, 4, 4, 12]]

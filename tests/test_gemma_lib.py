@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from gemma import modules, sampler as sampler_lib, transformer as tlib
 
-from specjax import NGramDrafter, bucketing, engine
+from specjax import NGramDrafter
+from specjax.core import bucketing, engine
 from specjax.models.gemma_lib import config_from_gemma, from_gemma
 from specjax.models.weights import WeightError
 

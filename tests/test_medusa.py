@@ -8,15 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import bucketing, engine, tree
+from specjax.core import bucketing, engine, tree
+from specjax.core.sampling import SamplingParams
 from specjax.drafters.medusa import MedusaDrafter, MedusaParams
-from specjax.heads.base import HeadConfig
 from specjax.heads import head_call
+from specjax.heads.base import HeadConfig
 from specjax.heads.medusa import MedusaHead
 from specjax.heads.vocab import build_draft_vocab
-from specjax.sampling import SamplingParams
-from specjax.training.ttt import TTTBatch, loss_rows, medusa_loss
 from specjax.models.decoder import Decoder
+from specjax.training.ttt import TTTBatch, loss_rows, medusa_loss
 from tests.test_eagle_ttt import greedy_decode, greedy_batch, overfit
 
 # D=24, V=37, Vd=29, T=11, 3 depths; the tap is the last layer's output.
@@ -185,7 +185,7 @@ def test_trainer_trains_medusa_and_methods_load_it(tmp_path):
   variant's loss, the feature norm frozen, the blocks moving), exports a
   file ``--method medusa --head`` loads as chain or static tree, and
   ``methods.build`` names what is wrong with bad Medusa requests."""
-  from specjax import methods
+  from specjax.drafters import methods
   from specjax.training import train as etrain
   from tests.test_eagle_train import CFG as TRAIN, _examples, make_tiny_model
   model = make_tiny_model(tmp_path / "model")

@@ -1,10 +1,10 @@
-"""``specjax.methods``: names and knobs to drafters, with named errors."""
+"""``drafters.methods``: names and knobs to drafters, with named errors."""
 
 import dataclasses
 
 import pytest
 
-from specjax import methods
+from specjax.drafters import methods
 from specjax.models import registry
 from specjax.models.decoder import Decoder
 
@@ -98,9 +98,9 @@ def test_decoding_does_not_import_training():
   import sys
   code = (
       "import sys\n"
-      "import specjax, specjax.cli, specjax.methods, specjax.engine, "
-      "specjax.runner, specjax.drafters, specjax.drafters.eagle, "
-      "specjax.drafters.union, "
+      "import specjax, specjax.cli.main, specjax.drafters.methods, "
+      "specjax.core.engine, specjax.core.runner, specjax.drafters, "
+      "specjax.drafters.eagle, specjax.drafters.union, "
       "specjax.heads.eagle, specjax.heads.export, specjax.heads.vocab\n"
       "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
       "('optax', 'orbax') or m.startswith('specjax.training'))\n"

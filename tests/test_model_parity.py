@@ -142,7 +142,7 @@ def test_tree_mask_and_positions(tiny):
 def test_cache_write_drops_past_capacity():
   """Invariant: writes land at each row's own offset and slots past the
   capacity are dropped instead of wrapping onto the row's prefix."""
-  from specjax.cache import write_kv
+  from specjax.core.cache import write_kv
   B, G, H, S_ = 2, 2, 3, 5
   k = jnp.zeros((B, G, H, S_))
   v = jnp.zeros((B, G, S_, H))

@@ -1,4 +1,4 @@
-"""The native CPU kernels (specjax/native.py, specjax/kernels/): the small-row
+"""The native CPU kernels (specjax/kernels/): the small-row
 matmul gives XLA's product for every row count a decode or verify step uses,
 inside compiled loops; the attention gives XLA's over ragged caches and tree
 masks; an XLA fallback says why it is used."""
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import native
+from specjax.kernels import native
 
 # SmolLM2's matrices, and odd ones: N not a multiple of 16, odd K, N < 16.
 SHAPES = [(576, 1728), (576, 3072), (1536, 576), (577, 1000), (5, 17),
@@ -169,7 +169,7 @@ def test_attention_equals_xla_and_never_reads_stale_slots(B, T, N, G, H, S,
   ``new=None``: the EAGLE heads' form) wherever they fit; with NaN/inf in
   every cache slot past a row's prefix nothing changes: stale slots are
   not read, by either."""
-  from specjax.cache import KVCache, write_kv
+  from specjax.core.cache import KVCache, write_kv
   from specjax.models import decoder, layers
   rng = np.random.default_rng(B * T * S)
   normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)
@@ -220,7 +220,7 @@ def test_forward_without_writing_leaves_the_cache_untouched(tmp_path,
   cache = pre.cache.with_lengths(jnp.asarray([9, 4], jnp.int32))
   new = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
   parents = jnp.asarray([[0, 0, 0, 1, 2]] * 2, jnp.int32)
-  from specjax import tree
+  from specjax.core import tree
   anc = tree.ancestors(parents, jnp.ones((2, 5), bool))
   pos = tree.positions(cache.lengths, anc)
   fwd = jax.jit(lambda c, w: decoder.forward(params, cfg, new, c,
@@ -258,7 +258,7 @@ def test_packed_model_decodes_like_the_plain_one(tmp_path):
   packed for the kernel (``pack_params``) the logits of a prefill and of a
   5-token verify equal XLA's (1e-5 of the largest), and AR and n-gram
   speculative decoding emit the plain model's greedy tokens."""
-  from specjax import engine
+  from specjax.core import engine
   from specjax.drafters import NGramDrafter
   from specjax.models import decoder, layers
   from specjax.models.hf_loader import load_hf
@@ -309,8 +309,8 @@ def test_packed_head_equals_plain(variant, in_bf16):
   holds exactly is packed in bf16, any other in f32."""
   from flax.traverse_util import flatten_dict
 
-  from specjax.heads.base import HeadConfig, pack_head
   from specjax.heads import head_module
+  from specjax.heads.base import HeadConfig, pack_head
   from specjax.models import decoder, layers
   cfg = HeadConfig(target_dim=48, target_vocab=101, target_layers=4,
                    taps=(4,) if variant == "eagle1" else (1, 2, 3),
@@ -342,10 +342,10 @@ def test_shipped_head_is_packed_on_a_packed_target(smollm2):
   """Invariant: ``methods.build`` packs the EAGLE-3 head when the target
   runs on the native path (``load_model``'s CPU default), so drafting reads
   the head's weights with the same kernel, in bf16 (the file's precision)."""
-  from specjax import methods
+  from specjax.drafters import methods
   from specjax.models import decoder, layers
   assert decoder.is_packed(smollm2.params)
   _, dparams = methods.build(smollm2, methods.MethodSpec("eagle3",
                                                          num_draft=2))
-  assert isinstance(dparams.head["wq"]["kernel"], layers.PackedWeight)
+  assert isinstance(dparams.head["layer"]["wqkv"], layers.PackedWeight)
   assert dparams.head["lm_head"]["kernel"].panels.dtype == jnp.bfloat16

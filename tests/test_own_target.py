@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from examples.plain_jax_target import PlainTarget, init_params
-from specjax import Target, engine
+from specjax import Target
+from specjax.core import engine
 from specjax.models.config import ModelConfig
 from tests.test_eagle_ttt import greedy_decode
 

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from specjax import bucketing, engine, verify
+from specjax.core import bucketing, engine, verify
+from specjax.core.sampling import SamplingParams, warp
 from specjax.drafters import NGramDrafter
-from specjax.models.hf_loader import load_hf
-from specjax.sampling import SamplingParams, warp
 from specjax.models.decoder import Decoder
+from specjax.models.hf_loader import load_hf
 from tests.tiny_hf import make_tiny
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 1, 9, 1, 9],
@@ -180,7 +180,7 @@ def test_prompt_at_the_context_limit(tiny):
   """A prompt of ``max_position - max_new_tokens`` tokens (the longest the
   CLI accepts: tests/test_cli.py refuses one more) decodes its whole
   budget, AR and n-gram drafting K = 4 past the last position alike."""
-  from specjax import runner
+  from specjax.core import runner
   from specjax.models.registry import Model
   cfg, params = tiny
   model = Model(target=Decoder(cfg), params=params, tokenizer=None)

@@ -6,14 +6,15 @@ import numpy as np
 import pytest
 import tokenizers
 
-from specjax import bucketing, data, engine
+from specjax import data
+from specjax.core import bucketing, engine
 from specjax.drafters import LookupDrafter, retrieval
 from specjax.drafters.retrieval import (Datastore, RetrievalDrafter,
                                         build_datastore, context_hashes,
                                         sharegpt_datastore)
+from specjax.models.decoder import Decoder
 from specjax.models.hf_loader import load_hf
 from specjax.models.tokenizer import Tokenizer
-from specjax.models.decoder import Decoder
 from tests.tiny_hf import make_tiny
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 1, 9, 1, 9],

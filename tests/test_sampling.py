@@ -1,4 +1,4 @@
-"""specjax.sampling: parity with transformers' warpers, greedy decoding, a
+"""specjax.core.sampling: parity with transformers' warpers, greedy decoding, a
 chi-square test of ``sample_logits`` (with its mutation check) and validation.
 """
 
@@ -12,7 +12,7 @@ import scipy.stats
 import torch
 from transformers.generation import logits_process as hf_lp
 
-from specjax.sampling import SamplingParams, sample, sample_logits, warp
+from specjax.core.sampling import SamplingParams, sample, sample_logits, warp
 
 V = 37
 TEMPERATURES = (0.5, 1.0, 1.7)

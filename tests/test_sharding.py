@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
-from specjax import cli, sharding
+from specjax.cli import main as cli
+from specjax.core import sharding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

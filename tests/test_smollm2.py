@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from specjax import assets, runner
+from specjax import assets
+from specjax.core import runner
 from specjax.models import decoder
 from specjax.models.decoder import Decoder
 
@@ -78,9 +79,9 @@ def _drafter(smollm2, method, tmp_path_factory):
   if method == "eagle3_untrained":  # exactness cannot depend on training
     import jax
     import jax.numpy as jnp
+    from specjax.drafters.eagle import EagleDrafter, EagleParams
     from specjax.heads.base import HeadConfig
     from specjax.heads.vocab import build_draft_vocab
-    from specjax.drafters.eagle import EagleDrafter, EagleParams
     from specjax.training.train import init_head
     vocab = build_draft_vocab([np.arange(2048)], cfg.vocab_size, 2048,
                               always=cfg.eos_ids)
@@ -90,13 +91,13 @@ def _drafter(smollm2, method, tmp_path_factory):
             EagleParams(head=head, draft_ids=jnp.asarray(vocab.ids),
                          embed=smollm2.params.embed), 3)
   if method == "medusa_shipped_tree":  # a static tree of 8 nodes
-    from specjax import methods
+    from specjax.drafters import methods
     drafter, dparams = methods.build(smollm2, methods.MethodSpec(
         "medusa", tree_shape="0,1,2,3,4,5,6,0.0"))
     return drafter, dparams, 2
   if method == "eagle3_shipped_lookup_tree":  # 3 head nodes + 5 trie nodes
-    from specjax import methods
     from specjax.drafters import LookupDrafter
+    from specjax.drafters import methods
     from specjax.drafters.union import TreeUnion, UnionParams
     head, hparams = methods.build(smollm2, methods.MethodSpec(
         "eagle3", tree_shape="0,1,2"))
@@ -106,7 +107,7 @@ def _drafter(smollm2, method, tmp_path_factory):
     return (TreeUnion(head, LookupDrafter(), 5),
             UnionParams(head=hparams, table=table), 4)
   if method in ("eagle3_shipped_dynamic_k", "eagle3_shipped_tree"):
-    from specjax import methods
+    from specjax.drafters import methods
     drafter, dparams = methods.build(smollm2, methods.MethodSpec(
         "eagle3", num_draft=4, min_confidence=0.3))
     return drafter, dparams, 4

@@ -5,11 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import bucketing, engine
+from specjax.core import bucketing, engine
+from specjax.core.sampling import SamplingParams, warp
 from specjax.drafters import NGramDrafter
-from specjax.models.hf_loader import load_hf
-from specjax.sampling import SamplingParams, warp
 from specjax.models.decoder import Decoder
+from specjax.models.hf_loader import load_hf
 from tests.tiny_hf import make_tiny
 
 # Repetitive prompts so prompt lookup has something to find.
@@ -294,7 +294,7 @@ def test_tree_logits_equal_each_path_run_alone(tiny):
   mask, on top of a ragged cached prefix) gives every node the logits of its
   root path run alone (f32, 1e-5) -- a causal mask, index positions or a
   missing root column would break it."""
-  from specjax import tree as trees
+  from specjax.core import tree as trees
   from specjax.models import decoder
   cfg, params = tiny
   forward = jax.jit(decoder.forward, static_argnums=1)
@@ -350,7 +350,7 @@ def test_tree_steps_keep_sampling_exact(tiny, monkeypatch):
   positions and mask at T > 0. Mutation: RoPE positions from the node's
   index in the block instead of its depth (a bug peers shipped) must fail
   the same check."""
-  from specjax import tree as trees
+  from specjax.core import tree as trees
   from specjax.models import decoder
   cfg, params = tiny
   n, V, sp = 50_000, cfg.vocab_size, SamplingParams(0.6)

@@ -1,11 +1,12 @@
-"""specjax.theory against exact values and against the real chain verifier."""
+"""measure.theory against exact values and against the real chain verifier."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import theory, verify
+from specjax.core import verify
+from specjax.measure import theory
 
 
 @pytest.mark.parametrize("alpha,k,expected", [

@@ -5,8 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import theory, tree as trees
-from specjax.sampling import SamplingParams, warp
+from specjax.core import tree as trees
+from specjax.core.sampling import SamplingParams, warp
+from specjax.measure import theory
 from tests.test_verify import _chi2_ok
 
 V = 6

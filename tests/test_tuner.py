@@ -2,7 +2,7 @@
 
 import pytest
 
-from specjax import theory, tuner
+from specjax.measure import theory, tuner
 from specjax.models.decoder import Decoder
 
 # A memory-bound curve: a verify over t tokens costs barely more than one.
@@ -142,7 +142,7 @@ def test_tree_is_sized_by_the_verify_curve(monkeypatch):
   predicted speedup is theory's E over (rest + one head call per level +
   the verify forward over nodes + 1), and which is larger on a flat verify
   curve than on a steep one; without a measurement there is none."""
-  from specjax import tree
+  from specjax.core import tree
   monkeypatch.setattr(tuner, "DRAFT_COST", {"eagle3": 0.05})
   monkeypatch.setattr(tuner, "TREE_PRIORS", {})
   assert tuner.recommend_tree(tuner.Workload(), FLAT) is None

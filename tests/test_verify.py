@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from specjax import verify
-from specjax.sampling import SamplingParams, warp
+from specjax.core import verify
+from specjax.core.sampling import SamplingParams, warp
 
 N = 50_000
 V = 6

@@ -29,7 +29,7 @@ and a head with the tables' trie merged in: ``union.TreeUnion``) also has
   propose_tree(params, drafter_state, tokens_BS, num_tokens_B, key,
                num_draft, num_nodes, sampling) -> TreeProposal
 
-returning a ``specjax.tree.Tree`` of up to ``num_nodes`` drafted nodes at
+returning a ``specjax.core.tree.Tree`` of up to ``num_nodes`` drafted nodes at
 most K deep, fixed before the target scores it (``DecodeConfig.tree_nodes``).
 """
 

@@ -7,8 +7,8 @@ from typing import Any, ClassVar, Optional, Protocol, runtime_checkable
 import jax
 from flax import struct
 
-from specjax.rows import at_rows
-from specjax.tree import trie
+from specjax.core.rows import at_rows
+from specjax.core.tree import trie
 
 
 @struct.dataclass
@@ -30,7 +30,7 @@ class Proposal:
 
 @struct.dataclass
 class TreeProposal:
-  """A draft tree for one step (``specjax.tree.Tree``, ``M = num_nodes + 1``
+  """A draft tree for one step (``core.tree.Tree``, ``M = num_nodes + 1``
   nodes, depth at most K) fixed before the target scores it, and the
   drafter's state after proposing."""
   tree: Any
@@ -44,7 +44,7 @@ class Drafter(Protocol):
   engine. Its parameters travel as ``params``, its mutable state as
   ``state`` (``DecodeState.drafter_state``), a pytree whose every leaf leads
   with the batch axis B (on a mesh it is split over rows like the target's
-  cache: ``specjax.sharding``). K, the drafts per step, lives in
+  cache: ``specjax.core.sharding``). K, the drafts per step, lives in
   ``DecodeConfig.num_draft`` alone and is passed to ``init`` (to size the
   state) and to ``propose``.
 

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from specjax.sampling import SamplingParams, draw, warp
+from specjax.core.sampling import SamplingParams, draw, warp
 
 
 def keep_drafting(logits_BV, probs_BV, tok_B, min_confidence):

@@ -21,10 +21,10 @@ from typing import ClassVar, Optional
 
 import jax.numpy as jnp
 
+from specjax.core.rows import at_rows
 from specjax.drafters.base import Proposal
 from specjax.drafters.chain import draft_chain
 from specjax.models.target import Target
-from specjax.rows import at_rows
 
 
 @dataclasses.dataclass(frozen=True)

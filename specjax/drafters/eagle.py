@@ -38,15 +38,15 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax import tree as trees
-from specjax.cache import KVCache, write_kv
+from specjax.core import tree as trees
+from specjax.core.cache import KVCache, write_kv
+from specjax.core.rows import at_rows
 from specjax.drafters.base import Proposal, TreeProposal
 from specjax.drafters.chain import draft_chain
-from specjax.heads.base import HeadConfig
 from specjax.heads import head_call
+from specjax.heads.base import HeadConfig
 from specjax.heads.vocab import full_vocab_logits
 from specjax.models import layers
-from specjax.rows import at_rows
 
 
 @struct.dataclass

@@ -29,13 +29,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax import tree as trees
+from specjax.core import tree as trees
+from specjax.core.rows import at_rows
 from specjax.drafters.base import Proposal, TreeProposal
 from specjax.drafters.chain import draft_chain
-from specjax.heads.base import HeadConfig
 from specjax.heads import head_call
+from specjax.heads.base import HeadConfig
 from specjax.heads.vocab import full_vocab_logits
-from specjax.rows import at_rows
 
 
 @struct.dataclass

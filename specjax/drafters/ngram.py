@@ -17,8 +17,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from specjax.core.rows import at_rows
 from specjax.drafters.base import Proposal, TableTrie
-from specjax.rows import at_rows
 
 
 @dataclasses.dataclass(frozen=True)

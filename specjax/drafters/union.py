@@ -22,7 +22,7 @@ from typing import Any
 
 from flax import struct
 
-from specjax import tree as trees
+from specjax.core import tree as trees
 from specjax.drafters.base import Proposal, TableTrie, TreeProposal
 
 

@@ -1,6 +1,8 @@
 """What every draft head shares: its static shape (``HeadConfig``, with the
 EAGLE-3 taps for any target depth), the dense layer that also runs packed
-native kernels, and packing a head's parameters for them."""
+native kernels, the decoder's own layer as a trainable Flax module
+(``DecoderLayer``), and packing a head's parameters for the native
+kernels."""
 
 from __future__ import annotations
 
@@ -10,9 +12,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from specjax import native
+from specjax.kernels import native
+from specjax.models import decoder
 from specjax.models.config import ModelConfig
-from specjax.models.layers import PackedWeight, linear, pack_weight
+from specjax.models.layers import PackedWeight, linear, pack_weight, rope, \
+    rope_inv_freq
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +85,15 @@ class HeadConfig:
     kw.update(overrides)
     return cls(**kw)
 
+  def layer_config(self) -> ModelConfig:
+    """The EAGLE heads' decoder layer as ``decoder`` runs it: a Llama layer
+    (SwiGLU, plain RMSNorm, no biases) of the head's attention shape."""
+    return ModelConfig(vocab_size=self.draft_vocab, dim=self.target_dim,
+                       num_layers=1, num_heads=self.num_heads,
+                       num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                       ffn_dim=self.ffn_dim, rope_theta=self.rope_theta,
+                       norm_eps=self.norm_eps, name=f"{self.variant} head")
+
   def check_fits(self, target: ModelConfig) -> None:
     """Raises ValueError naming the first mismatch with ``target``."""
     for name, mine, theirs in (("hidden size", self.target_dim, target.dim),
@@ -125,20 +138,57 @@ class Dense(nn.Dense):
     return super().__call__(x)
 
 
+class DecoderLayer(nn.Module):
+  """The decoder's layer (``decoder.layer_qkv`` and ``decoder.layer_out``,
+  the target's own code) with trainable weights in the decoder's fused
+  layout: ``wqkv [X, G (R + 2) H]`` over an ``in_dim``-wide input X (2 D for
+  EAGLE-3's token-and-feature input), ``wo``, ``mlp_norm``, ``w_gate_up``,
+  ``w_down``. The caller norms the input and runs the attention between
+  ``qkv`` and ``out``. Weights may be packed (``pack_head``)."""
+  cfg: ModelConfig
+  in_dim: int
+
+  def _weight(self, name, init, shape):
+    # Loaded weights are taken as they are (a packed one has other shapes).
+    if self.has_variable("params", name):
+      return self.get_variable("params", name)
+    return self.param(name, init, shape)
+
+  def setup(self):
+    c = self.cfg
+    w = nn.initializers.normal(0.02)
+    D, F = c.dim, c.ffn_dim
+    self.weights = decoder.LayerParams(
+        attn_norm=None, bqkv=None,
+        wqkv=self._weight("wqkv", w, (self.in_dim, (c.num_heads + 2 *
+                                                    c.num_kv_heads) * c.head_dim)),
+        wo=self._weight("wo", w, (c.num_heads * c.head_dim, D)),
+        mlp_norm=self._weight("mlp_norm", nn.initializers.ones, (D,)),
+        w_gate_up=self._weight("w_gate_up", w, (D, 2 * F)),
+        w_down=self._weight("w_down", w, (F, D)))
+
+  def qkv(self, x_BTX, positions_BT):
+    """RoPE'd ``q [B, T, N, H]``, ``k``, ``v [B, T, G, H]``."""
+    c = self.cfg
+    cos_sin = rope(positions_BT, rope_inv_freq(c.head_dim, c.rope_theta))
+    return decoder.layer_qkv(self.weights, c, x_BTX, cos_sin)
+
+  def out(self, resid_BTD, attn):
+    return decoder.layer_out(self.weights, self.cfg, resid_BTD, attn)
+
+
 def pack_head(params):
-  """A head's parameters with every dense kernel packed for the native CPU
-  matmul (``specjax.native``), as ``decoder.pack_params`` does the target's:
-  for drafting on a packed target. Inference only (no VJP). Kernels that
-  bf16 holds exactly (the shipped head's, stored in bf16) get bf16 panels:
-  drafting reads half the bytes and computes the same f32 products."""
-  is_kernel = lambda path: path[-1].key == "kernel"
-  kernels = [x for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
-             if is_kernel(path)]
+  """A head's parameters with every matmul weight (every 2-D leaf: a head
+  holds no other) packed for the native CPU matmul (``kernels.native``), as
+  ``decoder.pack_params`` does the target's: for drafting on a packed
+  target. Inference only (no VJP). Weights that bf16 holds exactly (the
+  shipped head's, stored in bf16) get bf16 panels: drafting reads half the
+  bytes and computes the same f32 products."""
+  kernels = [x for x in jax.tree_util.tree_leaves(params) if x.ndim == 2]
   dtype = (jnp.bfloat16 if all(native.exact_in(w, jnp.bfloat16)
                                for w in kernels) else jnp.float32)
-  return jax.tree_util.tree_map_with_path(
-      lambda path, x: pack_weight(x, dtype) if is_kernel(path) else x,
-      params)
+  return jax.tree_util.tree_map(
+      lambda x: pack_weight(x, dtype) if x.ndim == 2 else x, params)
 
 
 def dense(features: int, name: str, use_bias: bool = False) -> Dense:

@@ -9,8 +9,11 @@ is an argument, never a parameter, so it is neither trained nor saved).
 
 ``h`` is ``fc(concat(taps))`` -- the target's residual stream at the inputs of
 layers ``HeadConfig.taps`` -- on a row's first step, and the head's own
-previous output afterwards (the recurrent feature). The module exposes the
-layer in pieces (``features``, ``project``, ``finish``, ``logits``) so the
+previous output afterwards (the recurrent feature). The layer is the
+decoder's own (``heads.base.DecoderLayer`` over ``decoder.layer_qkv`` and
+``decoder.layer_out``, the fused layout, q/k/v reading 2D inputs), as
+tpu-inference's ``Eagle3LlamaDecoderLayer`` subclasses its Llama layer.
+The module exposes the layer in pieces (``features``, ``project``, ``finish``, ``logits``) so the
 attention between ``project`` and ``finish`` is the caller's: drafting runs
 the target's own (``layers.attention`` over a one-layer ``KVCache``, RoPE from
 ``layers.rope``), training the TTT block form of the same rule
@@ -20,12 +23,10 @@ the target's own (``layers.attention`` over a one-layer ``KVCache``, RoPE from
 from __future__ import annotations
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
-from specjax.heads.base import HeadConfig, dense
-from specjax.models.layers import (apply_rope, attention, causal_mask,
-                                   query_mask, rope, rope_inv_freq)
+from specjax.heads.base import DecoderLayer, HeadConfig, dense
+from specjax.models.layers import attention, causal_mask, query_mask, rms_norm
 
 
 class Eagle3Head(nn.Module):
@@ -34,11 +35,10 @@ class Eagle3Head(nn.Module):
 
   def setup(self):
     c = self.cfg
-    norm = lambda name: nn.RMSNorm(epsilon=c.norm_eps, name=name)
     self.fc = dense(c.target_dim, "fc")
-    self.in_norm, self.hidden_norm = norm("in_norm"), norm("hidden_norm")
-    _layer(self)
-    self.norm = norm("norm")
+    self.in_norm, self.hidden_norm = Norm(c.norm_eps), Norm(c.norm_eps)
+    self.layer = DecoderLayer(c.layer_config(), 2 * c.target_dim)
+    self.norm = Norm(c.norm_eps)
     self.lm_head = dense(c.draft_vocab, "lm_head")
 
   def __call__(self, taps_BTF, tok_BT, embed_VD, positions_BT):
@@ -61,12 +61,12 @@ class Eagle3Head(nn.Module):
     and the residual stream the layer adds to (here the feature itself)."""
     e_BTD = self.in_norm(jnp.take(embed_VD, tok_BT, axis=0).astype(h_BTD.dtype))
     z_BT2D = jnp.concatenate([e_BTD, self.hidden_norm(h_BTD)], axis=-1)
-    return (*_qkv(self, z_BT2D, positions_BT), h_BTD)
+    return (*self.layer.qkv(z_BT2D, positions_BT), h_BTD)
 
   def finish(self, resid_BTD, attn_BTNH):
     """Attention output (``[B, T, N, H]`` or ``[B, T, N * H]``) onto the
     residual, then the SwiGLU MLP."""
-    return _finish(self, resid_BTD, attn_BTNH)
+    return self.layer.out(resid_BTD, attn_BTNH)
 
   def logits(self, out_BTD):
     """``f32[B, T, Vd]`` over the draft vocabulary."""
@@ -89,9 +89,9 @@ class Eagle1Head(nn.Module):
 
   def setup(self):
     c = self.cfg
-    self.feature_norm = nn.RMSNorm(epsilon=c.norm_eps, name="feature_norm")
+    self.feature_norm = Norm(c.norm_eps)
     self.fc = dense(c.target_dim, "fc", use_bias=True)
-    _layer(self)
+    self.layer = DecoderLayer(c.layer_config(), c.target_dim)
     self.lm_head = dense(c.draft_vocab, "lm_head")
 
   __call__ = Eagle3Head.__call__
@@ -102,10 +102,10 @@ class Eagle1Head(nn.Module):
   def project(self, tok_BT, h_BTD, embed_VD, positions_BT):
     e_BTD = jnp.take(embed_VD, tok_BT, axis=0).astype(h_BTD.dtype)
     z_BTD = self.fc(jnp.concatenate([e_BTD, h_BTD], axis=-1))
-    return (*_qkv(self, z_BTD, positions_BT), z_BTD)
+    return (*self.layer.qkv(z_BTD, positions_BT), z_BTD)
 
   def finish(self, resid_BTD, attn_BTNH):
-    return _finish(self, resid_BTD, attn_BTNH)
+    return self.layer.out(resid_BTD, attn_BTNH)
 
   def logits(self, out_BTD):
     return self.lm_head(out_BTD).astype(jnp.float32)
@@ -114,30 +114,12 @@ class Eagle1Head(nn.Module):
     return out_BTD
 
 
-def _layer(m):
-  """The decoder layer's attention and SwiGLU weights (both variants)."""
-  c = m.cfg
-  D, N, G, H = c.target_dim, c.num_heads, c.num_kv_heads, c.head_dim
-  m.wq, m.wk, m.wv = (dense(N * H, "wq"), dense(G * H, "wk"),
-                      dense(G * H, "wv"))
-  m.wo = dense(D, "wo")
-  m.mlp_norm = nn.RMSNorm(epsilon=c.norm_eps, name="mlp_norm")
-  m.w_gate, m.w_up = dense(c.ffn_dim, "w_gate"), dense(c.ffn_dim, "w_up")
-  m.w_down = dense(D, "w_down")
+class Norm(nn.Module):
+  """RMSNorm (``layers.rms_norm``, the decoder's) with a trainable
+  ``scale``."""
+  eps: float
 
-
-def _qkv(m, z_BTX, positions_BT):
-  c = m.cfg
-  B, T = z_BTX.shape[:2]
-  q = m.wq(z_BTX).reshape(B, T, c.num_heads, c.head_dim)
-  k = m.wk(z_BTX).reshape(B, T, c.num_kv_heads, c.head_dim)
-  v = m.wv(z_BTX).reshape(B, T, c.num_kv_heads, c.head_dim)
-  cos, sin = rope(positions_BT, rope_inv_freq(c.head_dim, c.rope_theta))
-  return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-
-def _finish(m, resid_BTD, attn_BTNH):
-  B, T = attn_BTNH.shape[:2]
-  r = resid_BTD + m.wo(attn_BTNH.reshape(B, T, -1))
-  x = m.mlp_norm(r)
-  return r + m.w_down(jax.nn.silu(m.w_gate(x)) * m.w_up(x))
+  @nn.compact
+  def __call__(self, x):
+    return rms_norm(x, self.param("scale", nn.initializers.ones,
+                                  (x.shape[-1],)), self.eps)

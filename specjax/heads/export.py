@@ -4,6 +4,12 @@ Holds the head's parameters (bf16 by default: half the size, and the head is
 run in f32 after loading), the draft vocabulary's target ids and the
 ``HeadConfig`` as JSON. ``load_head`` checks the head fits the target
 (hidden size, vocab, layer count) and names the mismatch otherwise.
+
+Format 2 stores an EAGLE head's layer as the decoder's (``layer/wqkv``,
+``layer/w_gate_up``, ...: ``heads.base.DecoderLayer``); format 1 (the heads
+specjax ships, and files written before) as separate ``wq, wk, wv``,
+``w_gate, w_up`` kernels, which ``load_head`` fuses (a permutation: the
+same weights exactly).
 """
 
 from __future__ import annotations
@@ -20,6 +26,10 @@ from flax import traverse_util
 
 from specjax.heads.base import HeadConfig
 from specjax.models.config import ModelConfig
+from specjax.models.decoder import fuse_qkv
+from specjax.models.layers import fuse_gate_up
+
+FORMAT = 2
 
 
 def save_head(path, cfg: HeadConfig, params, draft_ids, dtype=jnp.bfloat16):
@@ -28,7 +38,7 @@ def save_head(path, cfg: HeadConfig, params, draft_ids, dtype=jnp.bfloat16):
             if dtype == jnp.bfloat16 else np.asarray(v, dtype)
             for k, v in flat.items()}
   meta = dict(config=dataclasses.asdict(cfg), dtype=jnp.dtype(dtype).name,
-              format=1)
+              format=FORMAT)
   path = pathlib.Path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
   tmp = path.with_suffix(".tmp.npz")
@@ -55,8 +65,29 @@ def load_head(path, target: ModelConfig | None = None):
           z[k].view(jnp.bfloat16) if bf16 else z[k], jnp.float32)
               for k in z.files if k.startswith("param/")}
       draft_ids = jnp.asarray(z["draft_ids"])
+      version = meta.get("format", 1)
+      params = traverse_util.unflatten_dict(flat, sep="/")
+      if version == 1 and cfg.variant != "medusa":
+        params = fused_layer(params, cfg)
     except (KeyError, TypeError, ValueError, zipfile.BadZipFile) as e:
       raise ValueError(f"head file {str(path)!r} is damaged: {e!r}") from None
+  if version not in (1, FORMAT):
+    raise ValueError(f"head file {str(path)!r} has format {version}; this "
+                     f"specjax reads formats 1 and {FORMAT}")
   if target is not None:
     cfg.check_fits(target)
-  return cfg, traverse_util.unflatten_dict(flat, sep="/"), draft_ids
+  return cfg, params, draft_ids
+
+
+def fused_layer(params, cfg: HeadConfig):
+  """A format-1 EAGLE head's parameters (``wq, wk, wv, wo, mlp_norm,
+  w_gate, w_up, w_down`` beside the rest) with its layer as
+  ``DecoderLayer``'s ``layer`` entry."""
+  p = dict(params)
+  k = lambda name: p.pop(name)["kernel"]
+  wq, wk, wv = k("wq"), k("wk"), k("wv")
+  wo, gate, up, down = k("wo"), k("w_gate"), k("w_up"), k("w_down")
+  p["layer"] = dict(wqkv=fuse_qkv(wq, wk, wv, cfg.num_kv_heads), wo=wo,
+                    mlp_norm=p.pop("mlp_norm")["scale"],
+                    w_gate_up=fuse_gate_up(gate, up), w_down=down)
+  return p

@@ -24,7 +24,7 @@ fused output columns are ordered so that any split of them into equal blocks
 along kv heads (q/k/v: group by group, each group's R query heads then its key
 and value head) or along F (gate/up: interleaved per FFN unit) keeps every
 block self-contained: tensor parallelism over a mesh's ``model`` axis
-(``specjax.sharding``) needs no communication inside a projection.
+(``specjax.core.sharding``) needs no communication inside a projection.
 """
 
 from __future__ import annotations
@@ -37,13 +37,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax import native
-from specjax.cache import KVCache, write_kv
+from specjax.core.cache import KVCache, write_kv
+from specjax.kernels import native
 from specjax.models.config import ModelConfig
 from specjax.models.layers import (PackedWeight, apply_rope, attention,
                                    causal_mask, dense_weight, gated_mlp,
                                    linear, pack_weight, rms_norm, rope_inv_freq,
-                                   rope_once, softcap, split_gate_up,
+                                   rope_once, softcap,
                                    window_masks)
 from specjax.models.target import ForwardOutput
 
@@ -160,7 +160,7 @@ def random_params(key: jax.Array, cfg: ModelConfig, scale: float = 0.02,
 
 def pack_params(params: DecoderParams) -> DecoderParams:
   """The same f32 model with every layer matmul and the LM head
-  pre-arranged for the native small-row matmul (``specjax.native``). A tied
+  pre-arranged for the native small-row matmul (``kernels.native``). A tied
   LM head gets its own packed copy of the embedding (V x D more floats); the
   embedding stays as it is for lookups. Packed weights put ``forward`` on
   the native CPU path: the native attention too (full-attention layers
@@ -216,6 +216,43 @@ def _rope_tables(cfg: ModelConfig, windows, positions_BT):
   local = rope_once(positions_BT, rope_inv_freq(cfg.head_dim,
                                                 cfg.local_rope_theta))
   return lambda w: full if w is None else local
+
+
+def layer_qkv(lp: LayerParams, cfg: ModelConfig, x_BTX: jax.Array,
+              cos_sin) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """A layer's RoPE'd queries ``[B, T, N, H]``, keys and values
+  ``[B, T, G, H]`` from its normed input ``x_BTX`` (X = D for the decoder,
+  2 D for an EAGLE-3 head's layer) and ``(cos, sin)`` of the positions:
+  the fused projection with its bias, then the q/k norms if any."""
+  B, T = x_BTX.shape[:2]
+  N, G, H, R = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.group_size
+  qkv = linear(x_BTX, lp.wqkv, lp.bqkv)
+  qkv_BTGJH = qkv.reshape(B, T, G, R + 2, H)  # fuse_qkv's order, J = R + 2
+  qk = qkv_BTGJH[:, :, :, :R + 1]
+  if lp.q_norm is not None:
+    norm = lambda x, w: rms_norm(x, w, cfg.norm_eps, cfg.norm_offset)
+    qk = jnp.concatenate([norm(qk[:, :, :, :R], lp.q_norm),
+                          norm(qk[:, :, :, R:], lp.k_norm)], axis=3)
+  qk = apply_rope(qk, *cos_sin)
+  return (qk[:, :, :, :R].reshape(B, T, N, H), qk[:, :, :, R],
+          qkv_BTGJH[:, :, :, R + 1])
+
+
+def layer_out(lp: LayerParams, cfg: ModelConfig, x_BTD: jax.Array,
+              attn: jax.Array) -> jax.Array:
+  """The rest of a layer once attention ran (``attn`` ``[B, T, N H]`` or
+  ``[B, T, N, H]``): its output projection (and norm) onto the residual
+  stream ``x_BTD``, then the MLP block the same way."""
+  norm = lambda x, w: rms_norm(x, w, cfg.norm_eps, cfg.norm_offset)
+  a_BTD = linear(attn.reshape(*x_BTD.shape[:2], -1), lp.wo, lp.bo)
+  if lp.post_attn_norm is not None:
+    a_BTD = norm(a_BTD, lp.post_attn_norm)
+  x_BTD = x_BTD + a_BTD
+  m_BTD = gated_mlp(norm(x_BTD, lp.mlp_norm), lp.w_gate_up, lp.w_down,
+                    cfg.activation, lp.b_gate_up, lp.b_down)
+  if lp.post_mlp_norm is not None:
+    m_BTD = norm(m_BTD, lp.post_mlp_norm)
+  return x_BTD + m_BTD
 
 
 def forward(params: DecoderParams, cfg: ModelConfig, tokens_BT: jax.Array,
@@ -281,7 +318,7 @@ def forward(params: DecoderParams, cfg: ModelConfig, tokens_BT: jax.Array,
                       and cfg.attn_logit_cap is None and native.available())
   tables = _rope_tables(cfg, windows, positions_BT)
 
-  N, G, H, R = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.group_size
+  H = cfg.head_dim
   scale = H ** -0.5 if cfg.query_scale is None else cfg.query_scale
   norm = lambda x, w: rms_norm(x, w, cfg.norm_eps, cfg.norm_offset)
   x_BTD = jnp.take(params.embed, tokens_BT, axis=0)
@@ -291,15 +328,7 @@ def forward(params: DecoderParams, cfg: ModelConfig, tokens_BT: jax.Array,
   for c, (i, window) in enumerate(zip(run, windows)):
     lp = params.layers[i]
     hidden.append(x_BTD)
-    qkv = linear(norm(x_BTD, lp.attn_norm), lp.wqkv, lp.bqkv)
-    qkv_BTGJH = qkv.reshape(B, T, G, R + 2, H)  # fuse_qkv's order, J = R + 2
-    qk = qkv_BTGJH[:, :, :, :R + 1]
-    if lp.q_norm is not None:
-      qk = jnp.concatenate([norm(qk[:, :, :, :R], lp.q_norm),
-                            norm(qk[:, :, :, R:], lp.k_norm)], axis=3)
-    qk = apply_rope(qk, *tables(window))
-    q, k = qk[:, :, :, :R].reshape(B, T, N, H), qk[:, :, :, R]
-    v = qkv_BTGJH[:, :, :, R + 1]
+    q, k, v = layer_qkv(lp, cfg, norm(x_BTD, lp.attn_norm), tables(window))
     if write_cache:
       # Write first, then attend (over the prefix): reading the buffers
       # before the write would make XLA copy them to keep the old values.
@@ -313,15 +342,7 @@ def forward(params: DecoderParams, cfg: ModelConfig, tokens_BT: jax.Array,
       prefix, new = masks[window]
       attn = attention(q, ks[c], vs[c], prefix, new=(k, v, new), scale=scale,
                        logit_cap=cfg.attn_logit_cap)
-    a_BTD = linear(attn, lp.wo, lp.bo)
-    if lp.post_attn_norm is not None:
-      a_BTD = norm(a_BTD, lp.post_attn_norm)
-    x_BTD = x_BTD + a_BTD
-    m_BTD = gated_mlp(norm(x_BTD, lp.mlp_norm), lp.w_gate_up, lp.w_down,
-                      cfg.activation, lp.b_gate_up, lp.b_down)
-    if lp.post_mlp_norm is not None:
-      m_BTD = norm(m_BTD, lp.post_mlp_norm)
-    x_BTD = x_BTD + m_BTD
+    x_BTD = layer_out(lp, cfg, x_BTD, attn)
   hidden.append(x_BTD)
   new_cache = KVCache(k=tuple(ks), v=tuple(vs),
                       lengths=lengths_B + T if write_cache else lengths_B)
@@ -355,7 +376,7 @@ def _logits(h_BTD: jax.Array, w_VD: jax.Array) -> jax.Array:
 
 
 def param_axes(params: DecoderParams) -> DecoderParams:
-  """Logical axes of every parameter (``specjax.sharding``), as a tree like
+  """Logical axes of every parameter (``specjax.core.sharding``), as a tree like
   ``params``: q/k/v, the attention output and its kv heads over
   ``kv_heads``, the MLP over ``ffn``, the vocabulary over ``vocab``."""
   if is_packed(params):
@@ -410,20 +431,19 @@ class Decoder:
     return dict(kv_heads=c.num_kv_heads, ffn=c.ffn_dim, vocab=c.vocab_size)
 
   def layer_weights(self, params, layer: int) -> dict:
-    """Layer ``layer``'s weights split as HF stores them (``x @ W``
-    layout): ``attn_norm, wq, wk, wv, wo, mlp_norm, w_gate, w_up, w_down``
-    (norms as their effective scale). Raises ValueError for a layer that
-    is not a plain Llama layer (biases, q/k or sandwich norms, not SwiGLU):
-    what an EAGLE head's layer can start from."""
+    """Layer ``layer``'s weights as plain arrays in the decoder's fused
+    layout: ``attn_norm, wqkv, wo, mlp_norm, w_gate_up, w_down`` (norms as
+    their effective scale). Raises ValueError for a layer that is not a
+    plain Llama layer (biases, q/k or sandwich norms, not SwiGLU): what an
+    EAGLE head's layer (``heads.base.DecoderLayer``) can start from."""
     c, lp = self.config, params.layers[layer]
     extra = [n for n in ("bqkv", "bo", "b_gate_up", "q_norm",
                          "post_attn_norm") if getattr(lp, n) is not None]
     if extra or c.activation != "silu":
       raise ValueError(f"layer {layer} of {c.name} is not a plain Llama "
                        f"layer ({', '.join(extra) or c.activation})")
-    wq, wk, wv = split_qkv(dense_weight(lp.wqkv), c.num_kv_heads, c.head_dim)
-    gate, up = split_gate_up(dense_weight(lp.w_gate_up))
     eff = lambda w: w.astype(jnp.float32) + c.norm_offset
-    return dict(attn_norm=eff(lp.attn_norm), wq=wq, wk=wk, wv=wv,
+    return dict(attn_norm=eff(lp.attn_norm), wqkv=dense_weight(lp.wqkv),
                 wo=dense_weight(lp.wo), mlp_norm=eff(lp.mlp_norm),
-                w_gate=gate, w_up=up, w_down=dense_weight(lp.w_down))
+                w_gate_up=dense_weight(lp.w_gate_up),
+                w_down=dense_weight(lp.w_down))

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax import native
+from specjax.kernels import native
 
 NEG_INF = -1e30  # finite: a fully masked row must not produce NaNs
 
@@ -32,7 +32,7 @@ NEG_INF = -1e30  # finite: a fully masked row must not produce NaNs
 @struct.dataclass
 class PackedWeight:
   """A ``[K, N]`` weight pre-arranged once for the native small-row matmul
-  (``specjax.native``, CPU): ``panels [ceil(N / 16), K, 16]``, ``n`` = N."""
+  (``kernels.native``, CPU): ``panels [ceil(N / 16), K, 16]``, ``n`` = N."""
   panels: jax.Array
   n: int = struct.field(pytree_node=False)
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from specjax import assets
-from specjax import native as native_mod
+from specjax.kernels import native as native_mod
 from specjax.models.decoder import Decoder, is_packed, pack_params
 from specjax.models.target import Target
 
@@ -56,7 +56,7 @@ def load_model(name_or_path: str, dtype=None, *,
   norms, softmax, logits and verification run in f32 whatever it is.
 
   ``native``: pre-arrange the matmul weights for the CPU small-row kernel
-  (``decoder.pack_params``); None packs when ``specjax.native.default_on``
+  (``decoder.pack_params``); None packs when ``native.default_on``
   (CPU backend, f32, kernel built; ``SPECJAX_NATIVE=0`` turns it off).
   For a mesh, load with ``native=False`` and place the model with
   ``sharding.on_mesh``.

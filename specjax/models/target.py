@@ -8,7 +8,7 @@ specjax's own implementation (every architecture ``load_model`` reads), and
 a model from another library becomes a target by implementing these methods
 over its own parameters (``specjax.models.adapters``).
 
-The cache is a ``specjax.cache.KVCache`` (per-layer keys/values, per-row
+The cache is a ``specjax.core.cache.KVCache`` (per-layer keys/values, per-row
 lengths): the engine rolls speculation back by its lengths and writes the
 entries it keeps with ``KVCache.write``; slot s holds position s.
 """
@@ -20,7 +20,7 @@ from typing import Any, Optional, Protocol, Sequence, runtime_checkable
 import jax
 from flax import struct
 
-from specjax.cache import KVCache
+from specjax.core.cache import KVCache
 
 
 @struct.dataclass
@@ -53,7 +53,7 @@ class Target(Protocol):
       ``ffn_dim``, ``rope_theta``, ``norm_eps``, ``max_position``,
       ``bos_id``, ``eos_ids``, ``name`` (a ``ModelConfig`` has them all).
     axis_sizes: sizes of the logical axes ``param_axes`` names
-      (``kv_heads``, ``ffn``, ``vocab``), for ``specjax.sharding``.
+      (``kv_heads``, ``ffn``, ``vocab``), for ``specjax.core.sharding``.
   """
   config: Any
 

@@ -23,8 +23,8 @@ from typing import Optional
 
 import numpy as np
 
+from specjax.core.sampling import SamplingParams
 from specjax.training.data import Examples
-from specjax.sampling import SamplingParams
 
 
 def prompt_lengths(ex: Examples) -> np.ndarray:
@@ -44,7 +44,7 @@ def regenerate(model, ex: Examples, *, max_new_tokens: int,
   Results are cached under ``cache_dir`` (default ``~/.cache/specjax``).
   """
   from tqdm.auto import tqdm
-  from specjax import runner
+  from specjax.core import runner
 
   N, T = ex.ids.shape
   start = prompt_lengths(ex)

@@ -26,14 +26,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from specjax import sharding
-from specjax.training import data as edata
-from specjax.heads.export import save_head
-from specjax.heads.base import HeadConfig
+from specjax.core import sharding
 from specjax.heads import FROZEN, head_module
-from specjax.training.ttt import head_loss, loss_rows, target_batch
-from specjax.models.target import Target
+from specjax.heads.base import HeadConfig
+from specjax.heads.export import save_head
 from specjax.heads.vocab import DraftVocab, build_draft_vocab, draft_rows
+from specjax.models.target import Target
+from specjax.training import data as edata
+from specjax.training.ttt import head_loss, loss_rows, target_batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,26 +248,24 @@ def warm_layer(params, hcfg: HeadConfig, target: Target, target_params):
   is zero. The head's output then starts as the target's residual stream
   one layer past the high tap (after ``init_head``'s final norm and LM head:
   the target's logits read out there), and training has to learn to use the
-  token it is given."""
-  D, N, G, H = (hcfg.target_dim, hcfg.num_heads, hcfg.num_kv_heads,
-                hcfg.head_dim)
+  token it is given. The head's layer is the decoder's, so the weights are
+  taken as they are."""
   if not hasattr(target, "layer_weights"):
     raise ValueError("init_layer=target needs a target whose layers can be "
                      "read (Target.layer_weights)")
   w = target.layer_weights(target_params, hcfg.taps[-1])
-  if w["wq"].shape != (D, N * H) or w["wk"].shape != (D, G * H):
-    raise ValueError("init_layer=target needs the target's attention shape")
-  feature_half = lambda x: jnp.concatenate([jnp.zeros_like(x), x], axis=0)
+  D, mine = hcfg.target_dim, params["layer"]
+  layer = {name: w[name] for name in mine}
+  layer["wqkv"] = jnp.concatenate([jnp.zeros_like(w["wqkv"]), w["wqkv"]])
+  for name, x in layer.items():
+    if x.shape != mine[name].shape:
+      raise ValueError(f"init_layer=target needs the head's layer shaped as "
+                       f"the target's: {name} is {mine[name].shape} in the "
+                       f"head, {x.shape} from the target")
   taps = len(hcfg.taps)
   fc = jnp.zeros((taps * D, D)).at[(taps - 1) * D:].set(jnp.eye(D))
   return {**params, "fc": {"kernel": fc},
-          "hidden_norm": {"scale": w["attn_norm"]},
-          "wq": {"kernel": feature_half(w["wq"])},
-          "wk": {"kernel": feature_half(w["wk"])},
-          "wv": {"kernel": feature_half(w["wv"])},
-          "wo": {"kernel": w["wo"]}, "mlp_norm": {"scale": w["mlp_norm"]},
-          "w_gate": {"kernel": w["w_gate"]}, "w_up": {"kernel": w["w_up"]},
-          "w_down": {"kernel": w["w_down"]}}
+          "hidden_norm": {"scale": w["attn_norm"]}, "layer": layer}
 
 
 @dataclasses.dataclass
@@ -321,8 +319,8 @@ def setup(cfg: TrainConfig, *, model=None,
                                        cfg.max_len, progress=progress)
   train_ex, heldout_ex = edata.split(examples, cfg.heldout, cfg.seed)
   if cfg.regenerate:
+    from specjax.core.sampling import SamplingParams
     from specjax.training.regenerate import regenerate
-    from specjax.sampling import SamplingParams
     rewrite = lambda ex: regenerate(
         model, ex, max_new_tokens=cfg.regen_max_new_tokens,
         sampling=SamplingParams(temperature=cfg.regen_temperature),

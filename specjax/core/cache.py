@@ -70,7 +70,7 @@ def write_kv(k_BGHS: jax.Array, v_BGSH: jax.Array, k_BTGH: jax.Array,
   Slots past the capacity are dropped, so a write can never wrap around and
   clobber a row's own prefix (the engine stops rows before they fill up). With the
   buffers donated, XLA performs the scatter in place. Per row (``vmap``, as
-  ``specjax.rows``): on a mesh each device writes its own rows.
+  ``specjax.core.rows``): on a mesh each device writes its own rows.
   """
   def row(k_GHS, v_GSH, k_TGH, v_TGH, slots_T):
     k_TGH, v_TGH = k_TGH.astype(k_GHS.dtype), v_TGH.astype(v_GSH.dtype)

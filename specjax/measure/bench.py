@@ -44,9 +44,10 @@ from typing import Callable, Optional, Sequence
 import jax
 import numpy as np
 
-from specjax import bucketing, engine, methods, runner
+from specjax.core import bucketing, engine, runner
+from specjax.core.sampling import SamplingParams
+from specjax.drafters import methods
 from specjax.models.registry import Model
-from specjax.sampling import SamplingParams
 
 
 @dataclasses.dataclass

@@ -39,8 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax.rows import at_rows, set_at_rows
-from specjax.sampling import SamplingParams, draw
+from specjax.core.rows import at_rows, set_at_rows
+from specjax.core.sampling import SamplingParams, draw
 
 
 @struct.dataclass

@@ -69,7 +69,7 @@ class MethodSpec:
 
   def __post_init__(self):
     if self.tree_shape:  # the shape fixes the node count and the depth
-      from specjax import tree
+      from specjax.core import tree
       try:
         shape = tree.Shape(tree.parse_shape(self.tree_shape))
       except ValueError as e:
@@ -227,7 +227,7 @@ def head_file(model_name: str, spec: MethodSpec) -> str:
   if spec.head is not None:
     return spec.head
   shipped = SHIPPED_HEADS.get((model_name, spec.name))
-  path = shipped and pathlib.Path(__file__).parent / shipped
+  path = shipped and pathlib.Path(__file__).parents[1] / shipped
   if not path or not path.is_file():
     raise MethodError(
         f"no {spec.name} head ships for {model_name!r} yet: train one "
@@ -268,7 +268,7 @@ def _head(model: "Model", spec: MethodSpec):
     head = pack_head(head)
   shape = ()
   if spec.tree_shape:
-    from specjax.tree import parse_shape
+    from specjax.core.tree import parse_shape
     shape = tuple(int(p) for p in parse_shape(spec.tree_shape))
   if variant == "medusa":
     from specjax.drafters.medusa import MedusaDrafter, MedusaParams

@@ -16,7 +16,7 @@ import time
 import jinja2
 from typing import Optional, Sequence
 
-from specjax.methods import METHODS
+from specjax.drafters.methods import METHODS
 
 EXIT_USAGE = 2
 
@@ -163,7 +163,7 @@ def _add_sampling_args(p):
 
 
 def _method_specs(args) -> list:
-  from specjax.methods import MethodSpec
+  from specjax.drafters.methods import MethodSpec
   names = [m.strip() for m in args.method.split(",")]
   specs = []
   for name in names:
@@ -192,8 +192,8 @@ def _method_specs(args) -> list:
 
 
 def _build(model, spec):
-  from specjax import methods
   from specjax.assets import AssetError
+  from specjax.drafters import methods
   from specjax.models.weights import WeightError
   try:
     return methods.build(model, spec)
@@ -238,7 +238,7 @@ def _read_prompts(args) -> list[str]:
 
 
 def _sampling(args):
-  from specjax.sampling import SamplingParams
+  from specjax.core.sampling import SamplingParams
   try:
     return SamplingParams(args.temperature, args.top_k, args.top_p)
   except ValueError as e:  # "top_p must be ..." -> "--top-p must be ..."
@@ -248,8 +248,8 @@ def _sampling(args):
 
 def _load(name: str, mesh_spec: Optional[str] = None,
           dtype: Optional[str] = None):
-  from specjax import sharding
   from specjax.assets import AssetError
+  from specjax.core import sharding
   from specjax.models.registry import load_model
   from specjax.models.weights import WeightError
   try:
@@ -278,7 +278,7 @@ def _encode(model, prompts: Sequence[str], chat: bool) -> list[list[int]]:
 
 
 def cmd_generate(args) -> int:
-  from specjax import runner
+  from specjax.core import runner
   _check_common(args)
   specs = _method_specs(args)
   if len(specs) != 1:
@@ -343,7 +343,7 @@ def cmd_generate(args) -> int:
 def _speculative_summary(spec, rows, tokens_per_s: Optional[float]) -> None:
   """The speculative metrics over all rows, one line on stderr (tokens/s:
   not for streamed runs, whose wall time holds compiles and host syncs)."""
-  from specjax import bench
+  from specjax.measure import bench
   acc = bench.acceptance_stats(rows, spec.k)
   speed = "" if tokens_per_s is None else f", {tokens_per_s:.1f} tokens/s"
   print(f"[{spec.label()}] tau {acc['tau']:.2f} tokens/verify, acceptance "
@@ -355,7 +355,7 @@ def _speculative_summary(spec, rows, tokens_per_s: Optional[float]) -> None:
 def _stream_generate(args, model, spec, prompts, ids, sampling, drafter,
                      drafter_params) -> int:
   """``generate`` printing each prompt's text as the steps commit it."""
-  from specjax import runner
+  from specjax.core import runner
   from specjax.models.tokenizer import StreamDecoder
   rows = []
   for i, prompt_ids in enumerate(ids):
@@ -378,7 +378,8 @@ def _stream_generate(args, model, spec, prompts, ids, sampling, drafter,
 
 
 def cmd_bench(args) -> int:
-  from specjax import bench, data
+  from specjax import data
+  from specjax.measure import bench
   _check_common(args)
   if args.num_prompts is not None and args.num_prompts < 1:
     raise UsageError(f"--num-prompts must be >= 1, got {args.num_prompts}")
@@ -425,7 +426,7 @@ def cmd_bench(args) -> int:
 
 
 def cmd_tune(args) -> int:
-  from specjax import tuner
+  from specjax.measure import tuner
   try:
     workload = tuner.Workload(batch_size=args.batch_size, task=args.task,
                               temperature=args.temperature,
@@ -490,7 +491,7 @@ def cmd_train(args) -> int:
 def _join(spec: str) -> None:
   """Joins the multi-process run; every process but 0 computes silently."""
   import jax
-  from specjax import sharding
+  from specjax.core import sharding
   try:
     sharding.initialize_distributed(spec)
   except sharding.MeshError as e:
@@ -500,7 +501,7 @@ def _join(spec: str) -> None:
 
 
 def cmd_demo(args) -> int:
-  from specjax import demo
+  from specjax.cli import demo
   if args.max_new_tokens < 1:
     raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
   demo.run(_load("smollm2-135m"), max_new_tokens=args.max_new_tokens)

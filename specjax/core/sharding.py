@@ -26,7 +26,7 @@ and ``to_host`` gathers results that live on other processes.
 Drafters: their parameters (heads, draft models) are replicated — small next
 to the target and read by every row; their state is split over the batch like
 the rows it belongs to (``drafters.base.Drafter``: every state leaf leads
-with B). The native CPU kernels (``specjax.native``) run on one device:
+with B). The native CPU kernels (``specjax.kernels.native``) run on one device:
 packed weights are refused here (load with ``native=False``).
 """
 
@@ -40,7 +40,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from specjax.cache import KVCache
+from specjax.core.cache import KVCache
 from specjax.models.target import Target
 
 DATA, MODEL = "data", "model"

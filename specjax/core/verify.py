@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax.rows import at_rows
-from specjax.sampling import sample
+from specjax.core.rows import at_rows
+from specjax.core.sampling import sample
 
 
 @struct.dataclass

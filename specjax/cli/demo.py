@@ -14,10 +14,10 @@ import sys
 import jax
 import numpy as np
 
-from specjax import bucketing, engine, runner
+from specjax.core import bucketing, engine, runner
+from specjax.core.sampling import SamplingParams
 from specjax.models.registry import Model
 from specjax.models.tokenizer import StreamDecoder
-from specjax.sampling import SamplingParams
 
 PROMPTS = (
     "Write a Python function that checks whether a number is prime.",

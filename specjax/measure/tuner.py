@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Optional
 import jax
 import numpy as np
 
-from specjax import theory
+from specjax.measure import theory
 
 if TYPE_CHECKING:
   from specjax.models.registry import Model
@@ -185,7 +185,7 @@ def measure_costs(model: "Model", batch_size: int, progress: bool = True,
 
   from tqdm import tqdm
 
-  from specjax import engine
+  from specjax.core import engine
   target, B = model.target, batch_size
   cache = target.init_cache(model.params, B, 2 * context).with_lengths(
       np.full((B,), context, np.int32))

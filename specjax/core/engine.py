@@ -36,13 +36,13 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax import sharding, tree as trees
-from specjax.cache import KVCache
+from specjax.core import sharding, tree as trees
+from specjax.core.cache import KVCache
+from specjax.core.rows import at_rows, set_at_rows
+from specjax.core.sampling import SamplingParams, sample_logits, warp
+from specjax.core.verify import verify_chain
 from specjax.drafters.base import Drafter, Proposal, TreeDrafter
 from specjax.models.target import ForwardOutput, Target, missing_members
-from specjax.rows import at_rows, set_at_rows
-from specjax.sampling import SamplingParams, sample_logits, warp
-from specjax.verify import verify_chain
 
 # Per-row stop reasons (``DecodeState.stop_reason``).
 RUNNING, STOP_EOS, STOP_BUDGET, STOP_CAPACITY, STOP_NONFINITE = 0, 1, 2, 3, 4

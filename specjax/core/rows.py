@@ -3,7 +3,7 @@
 ``at_rows(x, idx)`` is ``x[b, idx[b]]`` and ``set_at_rows`` its update, for
 every row at once. They are written with ``vmap``, so the batch is a batching
 dimension of the gather/scatter rather than an ``arange(B)`` index array:
-on a mesh (``specjax.sharding``) XLA's partitioner then keeps each row's
+on a mesh (``specjax.core.sharding``) XLA's partitioner then keeps each row's
 reads and writes on the devices that hold the row, where an explicit row
 index makes it all-gather the indices and the updates (two all-gathers per
 layer per step for the KV cache writes, measured).

@@ -4,11 +4,12 @@ a matmul for a few rows and attention over the cache slots in use.
 Decode and verify forwards multiply M = batch x tokens <= 64 rows by weights
 far larger than any cache; XLA CPU's dot runs that shape well below the
 weight-read limit (docs/DESIGN.md, "Why verification costs ~2 forwards
-with XLA's ops on a CPU"). ``small_matmul`` calls ``specjax/kernels/small_gemm.cc`` through
+with XLA's ops on a CPU"). ``small_matmul`` calls ``small_gemm.cc`` (beside
+this file) through
 ``jax.ffi``: part of the compiled program, not a host callback, so it stays
 inside ``jit`` and ``lax.while_loop``. The weight must be ``pack``-ed once
 into 16-column panels (``[ceil(N / 16), K, 16]``), which the kernel reads
-front to back. ``attention`` (``kernels/attention.cc``) is the decode and
+front to back. ``attention`` (``attention.cc``) is the decode and
 verify attention of packed models (``decoder.forward``): XLA's spends a third
 of a decode step on every slot of the cache; it reads only the slots in use.
 
@@ -34,7 +35,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-LIBRARY = pathlib.Path(__file__).with_name("kernels") / "_native.so"
+LIBRARY = pathlib.Path(__file__).with_name("_native.so")
 TARGET = "specjax_small_gemm"
 TARGET_BF16 = "specjax_small_gemm_bf16"  # bf16 panels (``pack(w, bf16)``)
 ATTENTION = "specjax_attention"

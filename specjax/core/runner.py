@@ -15,9 +15,9 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from specjax import bucketing, engine, sharding
+from specjax.core import bucketing, engine, sharding
+from specjax.core.sampling import SamplingParams
 from specjax.models.registry import Model
-from specjax.sampling import SamplingParams
 
 
 @dataclasses.dataclass

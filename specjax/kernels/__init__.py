@@ -1,0 +1,2 @@
+"""The native CPU kernels (C++ beside this file, built by ``make install``)
+and their ``jax.ffi`` binding (``native``)."""
