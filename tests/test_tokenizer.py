@@ -315,9 +315,43 @@ def test_add_bos_token_prepends_bos_to_raw_text_only(tok, reader):
 
 
 def test_from_gguf_rejects_unsupported_model(reader):
-  """A non byte-level GGUF tokenizer is refused, naming the model."""
-  with pytest.raises(ValueError, match="'llama'"):
-    Tokenizer.from_gguf(_edited(reader, tokenizer__ggml__model="llama"))
+  """A GGUF tokenizer model other than gpt2 and llama is refused, naming
+  it."""
+  with pytest.raises(ValueError, match="'bert'"):
+    Tokenizer.from_gguf(_edited(reader, tokenizer__ggml__model="bert"))
+
+
+SPM_STRINGS = ["the cat sat", " leading space", "double  space", "trailing ",
+               "new\nline", "Hello World 123", "unseen: 漢字 and ÿ",
+               "naïve café", "", "  ", "mat.dog"]
+
+
+@pytest.mark.parametrize("byte_fallback", [True, False])
+def test_sentencepiece_gguf_tokenizes_as_sentencepiece(tmp_path,
+                                                       byte_fallback):
+  """Invariant: a SentencePiece tokenizer (Llama 2's, Gemma's and Phi-3's
+  kind) that llama.cpp's converter wrote into a GGUF encodes raw text to
+  the ids sentencepiece itself gives -- spaces, newlines, characters it
+  never saw (as bytes, or as unk without byte fallback) -- decodes them
+  back, and puts BOS first; special-token strings in the text become
+  their ids, as llama.cpp parses them."""
+  import sentencepiece
+  import transformers
+  from tests.tiny_hf import to_gguf, train_spm
+  model = train_spm(400 if byte_fallback else 80, byte_fallback)
+  sp = sentencepiece.SentencePieceProcessor(model_proto=model)
+  transformers.LlamaForCausalLM(transformers.LlamaConfig(
+      vocab_size=sp.vocab_size(), hidden_size=8, intermediate_size=8,
+      num_hidden_layers=1, num_attention_heads=2)).save_pretrained(tmp_path)
+  tok = Tokenizer.from_gguf(gguf.GGUFReader(str(to_gguf(tmp_path, model))))
+  for text in SPM_STRINGS:
+    ids = tok.backend.encode(text, add_special_tokens=False).ids
+    assert ids == sp.encode(text), text
+    if byte_fallback:
+      assert tok.decode(ids) == sp.decode(ids) == text
+  assert tok.encode("the cat") == [sp.bos_id()] + sp.encode("the cat")
+  assert tok.backend.encode("a</s>b", add_special_tokens=False).ids == (
+      sp.encode("a") + [sp.eos_id()] + sp.encode("b"))
 
 
 def test_from_gguf_rejects_unknown_pre_tokenizer(reader):

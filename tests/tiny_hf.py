@@ -93,13 +93,84 @@ ARCH_CONFIGS = {
 }
 
 
+def _variant(name: str, drop=(), **changes):
+  config = ARCH_CONFIGS[name]()
+  fields = {k: v for k, v in config.to_dict().items() if k not in drop}
+  return type(config)(**{**fields, **changes, **_NO_IDS})
+
+
+# Each architecture as a GGUF file can carry it (llama.cpp's converter drops
+# what llama.cpp does not compute: Mistral's and Qwen3's windows, GELU in a
+# Llama, a query scale other than the head size's, Gemma 3 layer patterns
+# other than five sliding to one full): what a GGUF reader is checked on.
+GGUF_CONFIGS = {
+    "gguf_mistral": lambda: _variant("mistral_window", sliding_window=None),
+    "gguf_qwen3": lambda: _variant("qwen3_qknorm", drop=("layer_types",),
+                                   use_sliding_window=False),
+    "gguf_gemma2": lambda: _variant("gemma2_softcap", query_pre_attn_scalar=14),
+    "gguf_gemma3": lambda: _variant("gemma3_local_global", drop=("layer_types",),
+                                    num_hidden_layers=7,
+                                    query_pre_attn_scalar=10),
+    # 46 layers: llama.cpp scales a Gemma 2 27B's queries by D / N, not
+    # the head size (the 27B's query_pre_attn_scalar).
+    "gguf_gemma2_27b": lambda: _variant("gemma2_softcap", drop=("layer_types",),
+                                        num_hidden_layers=46,
+                                        query_pre_attn_scalar=10),
+    "gguf_phi3": lambda: _variant("phi3_fused"),
+    "gguf_llama_bias": lambda: _variant("llama_bias_gelu", hidden_act="silu"),
+}
+
+
 def make_tiny(name: str, directory: pathlib.Path, seed: int = 0):
   """Builds, randomizes and saves a tiny model; returns the torch model."""
   torch.manual_seed(seed)
-  config = {**TINY_CONFIGS, **ARCH_CONFIGS}[name]()
+  config = {**TINY_CONFIGS, **ARCH_CONFIGS, **GGUF_CONFIGS}[name]()
   model = transformers.AutoModelForCausalLM.from_config(config).eval()
   with torch.no_grad():  # default init leaves norms at 1 and biases at 0
     for p in model.parameters():
       p.add_(0.2 * torch.randn_like(p))
   model.save_pretrained(directory, safe_serialization=True)
   return model
+
+
+CONVERTER = (pathlib.Path(__file__).parents[1] / ".venv" / "llama.cpp"
+             / "convert_hf_to_gguf.py")
+
+
+SPM_TEXT = ["the cat sat on the mat", "a dog ran far away, said the old man.",
+            "Hello World 123 4567", "naïve café — déjà vu"] * 30
+
+
+def train_spm(vocab_size: int, byte_fallback: bool = False,
+              text=SPM_TEXT) -> bytes:
+  """A SentencePiece BPE model (``tokenizer.model`` bytes) trained on
+  ``text`` with Llama's and Gemma's settings: no normalization, spaces
+  kept, a dummy prefix."""
+  import io
+  import sentencepiece
+  model = io.BytesIO()
+  sentencepiece.SentencePieceTrainer.train(
+      sentence_iterator=iter(text), model_writer=model,
+      vocab_size=vocab_size, model_type="bpe", hard_vocab_limit=False,
+      byte_fallback=byte_fallback, normalization_rule_name="identity",
+      remove_extra_whitespaces=False, minloglevel=2)
+  return model.getvalue()
+
+
+def to_gguf(directory: pathlib.Path, spm: bytes | None = None
+            ) -> pathlib.Path:
+  """``directory``'s checkpoint as an f32 GGUF written by llama.cpp's own
+  converter (``make install`` puts it in .venv/llama.cpp), with ``spm`` as
+  its tokenizer (default: a 24-piece one, smaller than any test model's
+  vocabulary, which the converter pads to the model's)."""
+  import subprocess
+  import sys
+  assert CONVERTER.is_file(), f"{CONVERTER} is missing: run make install"
+  (directory / "tokenizer.model").write_bytes(
+      spm or train_spm(24, text=["the cat sat on the mat"] * 20))
+  out = directory / "model.gguf"
+  run = subprocess.run([sys.executable, str(CONVERTER), str(directory),
+                        "--outfile", str(out), "--outtype", "f32"],
+                       capture_output=True, text=True)
+  assert run.returncode == 0, run.stderr[-2000:]
+  return out

@@ -1,7 +1,8 @@
 """Tokenizer for Llama-family models, built with ``tokenizers`` alone.
 
-Two sources: the metadata of a GGUF file (byte-level BPE, the way llama.cpp
-reads it) and a Hugging Face model directory (``tokenizer.json``). Chat
+Two sources: the metadata of a GGUF file (byte-level BPE or SentencePiece,
+the way llama.cpp reads them) and a Hugging Face model directory
+(``tokenizer.json``). Chat
 templates are rendered with jinja2 the way transformers renders them, so
 prompts match the reference token for token; transformers itself is only a
 test reference, never a dependency.
@@ -19,13 +20,13 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 import tokenizers
-from tokenizers import decoders, models, pre_tokenizers, processors
+from tokenizers import (decoders, models, normalizers, pre_tokenizers,
+                        processors)
 
 from specjax.models.gguf_loader import metadata
 
 # llama.cpp token types (``llama_token_type``).
-_CONTROL = 3
-_USER_DEFINED = 4
+_NORMAL, _CONTROL, _USER_DEFINED, _BYTE = 1, 3, 4, 6
 
 # Llama-3's split regex, as in Meta's tokenizer.json and llama.cpp's LLAMA3.
 _LLAMA3_SPLIT = (
@@ -115,6 +116,60 @@ def _as_ids(value: Any) -> list[int]:
   return [value] if isinstance(value, int) else list(value)
 
 
+def _bpe_from_gguf(reader, tokens, types):
+  """Byte-level BPE, split the way llama.cpp splits (``tokenizer.ggml.pre``);
+  no BOS unless the file asks for one."""
+  pre = metadata(reader, "tokenizer.ggml.pre", _DEFAULT_PRE)
+  if pre not in _PRE_TOKENIZERS:
+    raise ValueError(
+        f"unsupported GGUF pre-tokenizer {pre!r}: supported are "
+        f"{', '.join(sorted(_PRE_TOKENIZERS))}")
+  make_pre, ignore_merges = _PRE_TOKENIZERS[pre]
+  merges = metadata(reader, "tokenizer.ggml.merges")
+  # No unk_token: SmolLM2's vocab lacks some bytes (0x04, 0xf1, ...), and
+  # llama.cpp and the reference tokenizer.json drop those, not map them to
+  # tokenizer.ggml.unknown_token_id.
+  tok = tokenizers.Tokenizer(models.BPE(
+      vocab={t: i for i, t in enumerate(tokens)},
+      merges=[tuple(m.split(" ", 1)) for m in merges],
+      ignore_merges=ignore_merges))
+  tok.pre_tokenizer = make_pre()
+  tok.decoder = decoders.ByteLevel()
+  return tok, False
+
+
+def _spm_from_gguf(reader, tokens, types):
+  """SentencePiece as llama.cpp runs it (``llm_tokenizer_spm``): spaces
+  as U+2581, one prepended to each stretch of text between special tokens
+  when ``add_space_prefix``, then adjacent pieces merged best score first
+  (here: BPE merges ranked by the merged piece's score), bytes the vocab
+  lacks as ``<0xXX>`` tokens (without those: the unknown token, id 0
+  unless the file names one); BOS added unless the file says not to."""
+  scores = metadata(reader, "tokenizer.ggml.scores")
+  vocab = {t: i for i, t in enumerate(tokens)}
+  normal = {t for t, ty in zip(tokens, types) if ty in (_NORMAL, _USER_DEFINED)}
+  ranked = []
+  for piece, score in zip(tokens, scores):
+    if piece not in normal or len(piece) < 2:
+      continue
+    ranked += [(-score, vocab[piece[:k]], vocab[piece[k:]], piece[:k],
+                piece[k:]) for k in range(1, len(piece))
+               if piece[:k] in normal and piece[k:] in normal]
+  unk = metadata(reader, "tokenizer.ggml.unknown_token_id", 0)  # llama.cpp's
+  tok = tokenizers.Tokenizer(models.BPE(
+      vocab=vocab, merges=[(l, r) for *_, l, r in sorted(ranked)],
+      unk_token=tokens[unk],
+      byte_fallback=_BYTE in types, fuse_unk=True))
+  prefix = metadata(reader, "tokenizer.ggml.add_space_prefix", True)
+  steps = [normalizers.Prepend("\u2581")] if prefix else []
+  tok.normalizer = normalizers.Sequence([*steps,
+                                         normalizers.Replace(" ", "\u2581")])
+  tok.decoder = decoders.Sequence([
+      decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+      decoders.Fuse(), *([decoders.Strip(" ", 1, 0)] if prefix else [])])
+  return tok, True
+
+
 class Tokenizer:
   """A ``tokenizers.Tokenizer`` plus the model's special ids and chat template.
 
@@ -145,31 +200,18 @@ class Tokenizer:
 
   @classmethod
   def from_gguf(cls, reader: gguf.GGUFReader) -> Tokenizer:
-    """Byte-level BPE from GGUF metadata, split the way llama.cpp splits."""
+    """The tokenizer of a GGUF file's metadata, tokenizing as llama.cpp
+    does: byte-level BPE (``gpt2``) or SentencePiece (``llama``: Llama 2,
+    Gemma, Phi-3 files)."""
     model = metadata(reader, "tokenizer.ggml.model")
-    if model != "gpt2":
+    builders = {"gpt2": _bpe_from_gguf, "llama": _spm_from_gguf}
+    if model not in builders:
       raise ValueError(
-          f"unsupported GGUF tokenizer model {model!r}: only 'gpt2' "
-          "(byte-level BPE) is supported")
-    pre = metadata(reader, "tokenizer.ggml.pre", _DEFAULT_PRE)
-    if pre not in _PRE_TOKENIZERS:
-      raise ValueError(
-          f"unsupported GGUF pre-tokenizer {pre!r}: supported are "
-          f"{', '.join(sorted(_PRE_TOKENIZERS))}")
-    make_pre, ignore_merges = _PRE_TOKENIZERS[pre]
+          f"unsupported GGUF tokenizer model {model!r} (supported: "
+          f"{', '.join(builders)})")
     tokens = metadata(reader, "tokenizer.ggml.tokens")
     types = metadata(reader, "tokenizer.ggml.token_type", [])
-    merges = metadata(reader, "tokenizer.ggml.merges")
-    bos_id = metadata(reader, "tokenizer.ggml.bos_token_id", None)
-    # No unk_token: SmolLM2's vocab lacks some bytes (0x04, 0xf1, ...), and
-    # llama.cpp and the reference tokenizer.json drop those, not map them to
-    # tokenizer.ggml.unknown_token_id.
-    tok = tokenizers.Tokenizer(models.BPE(
-        vocab={t: i for i, t in enumerate(tokens)},
-        merges=[tuple(m.split(" ", 1)) for m in merges],
-        ignore_merges=ignore_merges))
-    tok.pre_tokenizer = make_pre()
-    tok.decoder = decoders.ByteLevel()
+    tok, add_bos = builders[model](reader, tokens, types)
     # Both kinds are matched whole in the text, as llama.cpp does; only
     # control tokens are special (dropped by skip_special_tokens).
     tok.add_special_tokens([
@@ -178,13 +220,13 @@ class Tokenizer:
     tok.add_tokens([
         tokenizers.AddedToken(t, special=False, normalized=False)
         for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
+    bos_id = metadata(reader, "tokenizer.ggml.bos_token_id", None)
     if bos_id is not None and metadata(
-        reader, "tokenizer.ggml.add_bos_token", False):
+        reader, "tokenizer.ggml.add_bos_token", add_bos):
       bos = tokens[bos_id]
       tok.post_processor = processors.TemplateProcessing(
           single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
           special_tokens=[(bos, bos_id)])
-
     eos_ids = [
         metadata(reader, f"tokenizer.ggml.{k}_token_id", None)
         for k in ("eos", "eot", "eom")]
