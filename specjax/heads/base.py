@@ -1,8 +1,8 @@
 """What every draft head shares: its static shape (``HeadConfig``, with the
 EAGLE-3 taps for any target depth), the dense layer that also runs packed
-native kernels, the decoder's own layer as a trainable Flax module
-(``DecoderLayer``), and packing a head's parameters for the native
-kernels."""
+native kernels, the decoder's RMSNorm and layer as trainable Flax modules
+(``Norm``, ``DecoderLayer``), and packing a head's parameters for the
+native kernels."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import jax.numpy as jnp
 from specjax.kernels import native
 from specjax.models import decoder
 from specjax.models.config import ModelConfig
-from specjax.models.layers import PackedWeight, linear, pack_weight, rope, \
-    rope_inv_freq
+from specjax.models.layers import (PackedWeight, linear, pack_weight,
+                                   rms_norm, rope, rope_inv_freq)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +138,17 @@ class Dense(nn.Dense):
     return super().__call__(x)
 
 
+class Norm(nn.Module):
+  """RMSNorm (``layers.rms_norm``, the decoder's) with a trainable
+  ``scale``."""
+  eps: float
+
+  @nn.compact
+  def __call__(self, x):
+    return rms_norm(x, self.param("scale", nn.initializers.ones,
+                                  (x.shape[-1],)), self.eps)
+
+
 class DecoderLayer(nn.Module):
   """The decoder's layer (``decoder.layer_qkv`` and ``decoder.layer_out``,
   the target's own code) with trainable weights in the decoder's fused
@@ -157,12 +168,12 @@ class DecoderLayer(nn.Module):
   def setup(self):
     c = self.cfg
     w = nn.initializers.normal(0.02)
-    D, F = c.dim, c.ffn_dim
+    D, F, NH = c.dim, c.ffn_dim, c.num_heads * c.head_dim
+    QKV = NH + 2 * c.num_kv_heads * c.head_dim
     self.weights = decoder.LayerParams(
         attn_norm=None, bqkv=None,
-        wqkv=self._weight("wqkv", w, (self.in_dim, (c.num_heads + 2 *
-                                                    c.num_kv_heads) * c.head_dim)),
-        wo=self._weight("wo", w, (c.num_heads * c.head_dim, D)),
+        wqkv=self._weight("wqkv", w, (self.in_dim, QKV)),
+        wo=self._weight("wo", w, (NH, D)),
         mlp_norm=self._weight("mlp_norm", nn.initializers.ones, (D,)),
         w_gate_up=self._weight("w_gate_up", w, (D, 2 * F)),
         w_down=self._weight("w_down", w, (F, D)))

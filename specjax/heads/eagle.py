@@ -13,8 +13,9 @@ previous output afterwards (the recurrent feature). The layer is the
 decoder's own (``heads.base.DecoderLayer`` over ``decoder.layer_qkv`` and
 ``decoder.layer_out``, the fused layout, q/k/v reading 2D inputs), as
 tpu-inference's ``Eagle3LlamaDecoderLayer`` subclasses its Llama layer.
-The module exposes the layer in pieces (``features``, ``project``, ``finish``, ``logits``) so the
-attention between ``project`` and ``finish`` is the caller's: drafting runs
+The module exposes the layer in pieces (``features``, ``project``,
+``finish``, ``logits``) so the attention between ``project`` and
+``finish`` is the caller's: drafting runs
 the target's own (``layers.attention`` over a one-layer ``KVCache``, RoPE from
 ``layers.rope``), training the TTT block form of the same rule
 (``specjax.training.ttt.attend_blocks``, tested equal to it).
@@ -25,8 +26,8 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
-from specjax.heads.base import DecoderLayer, HeadConfig, dense
-from specjax.models.layers import attention, causal_mask, query_mask, rms_norm
+from specjax.heads.base import DecoderLayer, HeadConfig, Norm, dense
+from specjax.models.layers import attention, causal_mask, query_mask
 
 
 class Eagle3Head(nn.Module):
@@ -112,14 +113,3 @@ class Eagle1Head(nn.Module):
 
   def normed(self, out_BTD):
     return out_BTD
-
-
-class Norm(nn.Module):
-  """RMSNorm (``layers.rms_norm``, the decoder's) with a trainable
-  ``scale``."""
-  eps: float
-
-  @nn.compact
-  def __call__(self, x):
-    return rms_norm(x, self.param("scale", nn.initializers.ones,
-                                  (x.shape[-1],)), self.eps)

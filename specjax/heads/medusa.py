@@ -19,7 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from specjax.heads.base import Dense, HeadConfig, dense
+from specjax.heads.base import Dense, HeadConfig, Norm, dense
 
 
 class MedusaHead(nn.Module):
@@ -30,7 +30,7 @@ class MedusaHead(nn.Module):
 
   def setup(self):
     c = self.cfg
-    self.feature_norm = nn.RMSNorm(epsilon=c.norm_eps, name="feature_norm")
+    self.feature_norm = Norm(c.norm_eps)
     self.blocks = [Dense(c.target_dim, use_bias=True, name=f"block_{k}",
                          kernel_init=nn.initializers.zeros)
                    for k in range(c.medusa_heads)]

@@ -43,8 +43,7 @@ from specjax.models.config import ModelConfig
 from specjax.models.layers import (PackedWeight, apply_rope, attention,
                                    causal_mask, dense_weight, gated_mlp,
                                    linear, pack_weight, rms_norm, rope_inv_freq,
-                                   rope_once, softcap,
-                                   window_masks)
+                                   rope_once, softcap, window_masks)
 from specjax.models.target import ForwardOutput
 
 NATIVE_ATTENTION_MAX_T = 64  # new tokens up to which packed models use it

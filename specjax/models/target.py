@@ -6,7 +6,9 @@ engine, the drafters, EAGLE/Medusa features, training, sharding and the
 measuring tools call only what is declared here; ``decoder.Decoder`` is
 specjax's own implementation (every architecture ``load_model`` reads), and
 a model from another library becomes a target by implementing these methods
-over its own parameters (``specjax.models.adapters``).
+over its own parameters (``specjax.models.gemma_lib`` maps google-deepmind's
+gemma library onto the decoder instead; ``examples/plain_jax_target.py`` is
+a plain-JAX model implementing them).
 
 The cache is a ``specjax.core.cache.KVCache`` (per-layer keys/values, per-row
 lengths): the engine rolls speculation back by its lengths and writes the
@@ -51,7 +53,9 @@ class Target(Protocol):
     config: static facts: ``vocab_size``, ``dim`` (the residual width D),
       ``num_layers``, ``num_heads``, ``num_kv_heads``, ``head_dim``,
       ``ffn_dim``, ``rope_theta``, ``norm_eps``, ``max_position``,
-      ``bos_id``, ``eos_ids``, ``name`` (a ``ModelConfig`` has them all).
+      ``bos_id``, ``eos_ids``, ``name`` (a ``ModelConfig`` has them all),
+      and optionally ``final_logit_cap`` (the logits' soft-cap; feature
+      caches apply it to the logits they rebuild).
     axis_sizes: sizes of the logical axes ``param_axes`` names
       (``kv_heads``, ``ffn``, ``vocab``), for ``specjax.core.sharding``.
   """
