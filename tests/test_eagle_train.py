@@ -419,3 +419,18 @@ def test_a_checkpoint_that_does_not_fit_is_named(tiny_model, tmp_path):
   with pytest.raises(ValueError, match=r"checkpoint '.*w/ckpt/2'"):
     etrain.train(dataclasses.replace(cfg, steps=4), tmp_path / "w",
                  model=tiny_model, examples=ex, progress=False)
+
+
+def test_resume_keeps_metrics_up_to_the_checkpoint_and_moves_the_rest(
+    tmp_path):
+  """Invariant: resuming at step 20 keeps the metric lines up to it; the
+  lines past it (to be redone) and a torn last line (a kill mid-write, which
+  used to crash every resume) move to metrics.dropped.jsonl, so nothing an
+  earlier run wrote is lost."""
+  path = tmp_path / "metrics.jsonl"
+  lines = [json.dumps({"step": s, "loss": 1.0 / s}) for s in (10, 20, 30)]
+  path.write_text("\n".join(lines) + '\n{"step": 40, "lo')
+  etrain._truncate_metrics(path, 20)
+  assert path.read_text().splitlines() == lines[:2]
+  assert (tmp_path / "metrics.dropped.jsonl").read_text().splitlines() == [
+      lines[2], '{"step": 40, "lo']

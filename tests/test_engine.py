@@ -174,3 +174,24 @@ def test_prefill_needs_a_free_slot(tiny):
   cfg, params = tiny
   with pytest.raises(ValueError, match="below cache capacity"):
     _run(params, cfg, [[1, 2, 3]], 4, engine.DecodeConfig(capacity=32))
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(capacity=0), "capacity must be >= 1"),
+    (dict(num_draft=-1), "num_draft and tree_nodes >= 0"),
+    (dict(drafter=NGramDrafter(), num_draft=0), "needs num_draft >= 1"),
+    (dict(drafter=NGramDrafter(), num_draft=4, tree_nodes=-2),
+     "num_draft and tree_nodes >= 0"),
+    (dict(drafter=NGramDrafter(), num_draft=4, tree_nodes=513),
+     "more than 512"),
+    (dict(capacity=8, drafter=NGramDrafter(), num_draft=8),
+     "scores 9 tokens per row, more than the capacity 8"),
+])
+def test_decode_configs_the_engine_cannot_run_are_refused(kw, words):
+  """Invariant: a ``DecodeConfig`` the engine cannot run (no slots,
+  negative sizes, a drafter asked for no drafts, a tree over
+  ``tree.MAX_NODES``, a step wider than the cache) raises ValueError naming
+  it when built, not a JAX error when traced."""
+  import re
+  with pytest.raises(ValueError, match=re.escape(words)):
+    engine.DecodeConfig(**{"capacity": 64, **kw})

@@ -408,6 +408,18 @@ def test_what_an_architecture_cannot_carry_is_refused(models, arch, key,
     load_gguf(path)
 
 
+def test_zero_heads_refused(models, tmp_path):
+  """Invariant: a file whose head count is 0 is refused naming the key (no
+  division by zero)."""
+  model = models["own_tied"]
+  config = copy.deepcopy(model.config)
+  config.num_attention_heads = 0
+  path = _write_gguf(tmp_path / "z.gguf", config, _gguf_tensors(model))
+  with pytest.raises(WeightError, match="attention.head_count is 0, not a "
+                     "size"):
+    load_gguf(path)
+
+
 @pytest.mark.parametrize("missing,named", [
     ("blk.1.ffn_up.weight", "model.layers.1.mlp.up_proj.weight"),
     ("token_embd.weight", "model.embed_tokens.weight"),
@@ -464,3 +476,20 @@ def test_llamacpp_converted_gguf_matches_transformers(converted):
     np.testing.assert_array_equal(a, b)
   assert m.tokenizer.decode(m.tokenizer.encode("the cat sat"),
                             skip_special_tokens=True) == "the cat sat"
+
+
+def test_truncated_or_damaged_files_are_named(models, tmp_path):
+  """Invariant: a GGUF cut short anywhere (in the header, in the tensor
+  data, one byte short) or with its metadata overwritten raises one
+  WeightError naming the file, never numpy's unpack or reshape error."""
+  model = models["own_tied"]
+  data = _write_gguf(tmp_path / "m.gguf", model.config,
+                     _gguf_tensors(model)).read_bytes()
+  cases = {"16 bytes": data[:16], "half": data[:len(data) // 2],
+           "one byte short": data[:-1],
+           "scrambled header": data[:24] + bytes(64) + data[88:]}
+  for name, content in cases.items():
+    path = tmp_path / f"{name.replace(' ', '_')}.gguf"
+    path.write_bytes(content)
+    with pytest.raises(WeightError, match=re.escape(repr(str(path)))):
+      load_gguf(path)

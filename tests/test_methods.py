@@ -44,12 +44,16 @@ def test_unknown_method_and_bad_knobs(smollm2):
 
 
 def test_static_tree_shape_sets_nodes_and_depth(smollm2):
-  """Invariants: ``tree_shape`` fixes the node count and K (whatever was
-  passed), reaches the EAGLE drafter as parents, and is refused for table
-  drafters."""
-  spec = methods.MethodSpec("eagle3", num_draft=7, tree_nodes=3,
-                            tree_shape="2x2x1")
+  """Invariants: ``tree_shape`` fixes the node count and K (the shape's
+  depth, whatever K was passed), reaches the EAGLE drafter as parents, and
+  is refused for table drafters; a node count that disagrees with it is
+  refused, not dropped."""
+  spec = methods.MethodSpec("eagle3", num_draft=7, tree_shape="2x2x1")
   assert (spec.tree_nodes, spec.k) == (10, 3)
+  assert methods.MethodSpec("eagle3", tree_nodes=10,
+                            tree_shape="2x2x1").tree_nodes == 10
+  with pytest.raises(methods.MethodError, match="--tree-nodes 3 disagrees"):
+    methods.MethodSpec("eagle3", tree_nodes=3, tree_shape="2x2x1")
   assert spec.label() == "eagle3(K=3, tree 2x2x1)"
   drafter, _ = methods.build(smollm2, spec)
   assert drafter.tree_shape == (0, 0, 0, 1, 1, 2, 2, 3, 4, 5, 6)

@@ -2,6 +2,8 @@
 batch composition, random shapes and degenerate distributions through the
 verifiers, damaged head files."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -174,6 +176,42 @@ def test_damaged_head_files_are_named(tmp_path):
   for path in (truncated, foreign, bad_meta):
     with pytest.raises(ValueError, match=path.name):
       load_head(path, cfg)
+
+
+def test_head_files_that_do_not_match_their_config_are_named(tmp_path):
+  """Invariant: a head file whose parameters are missing, extra or shaped
+  otherwise than its own config says, or whose draft ids are no draft
+  vocabulary of the target (out of range, repeated), is refused naming the
+  file and the parameter -- it used to reach the native kernel's shape
+  check."""
+  from flax import traverse_util
+  from specjax.heads import HeadConfig, head_module
+  from specjax.heads.export import load_head, save_head
+  cfg = HeadConfig(target_dim=24, target_vocab=37, target_layers=3,
+                   taps=(0, 1, 2), num_heads=6, num_kv_heads=2, head_dim=4,
+                   ffn_dim=40, draft_vocab=29)
+  params = head_module(cfg).init(
+      jax.random.key(0), jnp.zeros((1, 1, 72)), jnp.zeros((1, 1), jnp.int32),
+      jnp.zeros((37, 24)), jnp.zeros((1, 1), jnp.int32))["params"]
+  flat = traverse_util.flatten_dict(params, sep="/")
+  ids = np.arange(29)
+  good = tmp_path / "good.npz"
+  save_head(good, cfg, params, ids)
+  assert load_head(good)[0] == cfg
+  bad = {"missing": ({k: v for k, v in flat.items() if k != "layer/wo"}, ids,
+                     "layer/wo is missing"),
+         "shape": ({**flat, "fc/kernel": flat["fc/kernel"][:, :5]}, ids,
+                   "fc/kernel is (72, 5), its config says (72, 24)"),
+         "extra": ({**flat, "spare/kernel": flat["fc/kernel"]}, ids,
+                   "spare/kernel is (72, 24), its config says no such"),
+         "ids out of range": (flat, ids + 10, "draft_ids must be 29 distinct"),
+         "ids repeated": (flat, np.zeros(29, int), "draft_ids must be")}
+  for name, (tensors, draft_ids, words) in bad.items():
+    path = tmp_path / f"{name.replace(' ', '_')}.npz"
+    save_head(path, cfg, traverse_util.unflatten_dict(tensors, sep="/"),
+              draft_ids)
+    with pytest.raises(ValueError, match=re.escape(words)):
+      load_head(path)
 
 
 def test_prompt_at_the_context_limit(tiny):

@@ -3,6 +3,7 @@ chi-square test of ``sample_logits`` (with its mutation check) and validation.
 """
 
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -229,3 +230,23 @@ def test_sampling_params_accepts_the_boundaries():
   sp = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
   assert sp.greedy
   assert not SamplingParams(temperature=1e-6, top_p=1e-9).greedy
+
+
+def test_temperatures_f32_cannot_hold_are_refused_and_tiny_ones_are_finite():
+  """Invariants: a temperature below f32's smallest normal number (XLA
+  flushes it to 0, and 0 / 0 is NaN) or above its largest is refused by
+  name; the smallest accepted one warps to a finite one-hot at the argmax
+  (no NaN), with top-k and top-p too."""
+  from specjax.core.sampling import F32_MAX, F32_TINY
+  for t in (1e-40, 1e-320, 1e39):
+    with pytest.raises(ValueError,
+                       match=re.escape(f"temperature {t} is outside f32")):
+      SamplingParams(temperature=t)
+  logits = jnp.asarray([[1.0, 3.0, -2.0, 2.5]])
+  for sp in (SamplingParams(temperature=F32_TINY),
+             SamplingParams(temperature=F32_TINY, top_k=2, top_p=0.5),
+             SamplingParams(temperature=F32_MAX)):
+    probs = np.asarray(jax.jit(lambda x: warp(x, sp))(logits))
+    assert np.isfinite(probs).all() and probs.sum() == pytest.approx(1.0)
+    if sp.temperature < 1:
+      np.testing.assert_array_equal(probs, [[0, 1, 0, 0]])

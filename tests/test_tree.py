@@ -1,5 +1,7 @@
 """Draft trees: construction, and exact verification at T = 0 and T > 0."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,6 +42,30 @@ def test_trie_shares_prefixes_and_cuts_breadth_first():
   np.testing.assert_array_equal(trees.depths(anc)[0], [0, 1, 1, 2, 2, 3, 3,
                                                        0, 0])
   assert bool(anc[0, 5, 1]) and not bool(anc[0, 5, 2])
+
+
+def test_trie_asked_for_more_nodes_than_its_paths_hold():
+  """Invariant: ``num_nodes`` beyond the P K tokens of the paths (a bound,
+  not a count) gives the same trie with the rest invalid, never an error."""
+  paths = jnp.asarray([[[7, 8], [5, 6]]])
+  lengths = jnp.asarray([[2, 2]])
+  t = trees.trie(jnp.asarray([1]), paths, lengths, num_nodes=7)
+  np.testing.assert_array_equal(t.tokens[0, :5], [1, 7, 5, 8, 6])
+  np.testing.assert_array_equal(t.parents[0, :5], [0, 0, 0, 1, 2])
+  np.testing.assert_array_equal(t.valid[0], [1] * 5 + [0] * 3)
+
+
+@pytest.mark.parametrize("text, words", [
+    ("1000x1000", "1001000 nodes, more than 512"),
+    (",".join(str(i) for i in range(600)), "600 paths, more than 512"),
+    ("0,1,0.0,1", "a path given twice"),
+])
+def test_tree_shapes_too_big_or_repeated_are_refused(text, words):
+  """Invariant: a static shape over ``tree.MAX_NODES`` nodes (it would
+  compile for minutes) or with a path given twice is refused by name before
+  anything is built."""
+  with pytest.raises(ValueError, match=re.escape(words)):
+    trees.parse_shape(text)
 
 
 def _node_paths(t, b):

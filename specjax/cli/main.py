@@ -163,8 +163,16 @@ def _add_sampling_args(p):
 
 
 def _method_specs(args) -> list:
-  from specjax.drafters.methods import MethodSpec
+  from specjax.drafters.methods import HEADS, MethodSpec
   names = [m.strip() for m in args.method.split(",")]
+  for flag, value, users in (
+      ("--head", args.head, HEADS), ("--draft-model", args.draft_model,
+                                     ("draft",)),
+      ("--layers", args.layers, ("layerskip",)),
+      ("--tree-nodes", args.tree_nodes, set(METHODS) - {"ar"})):
+    if value and not set(names) & set(users):
+      raise UsageError(f"{flag} is for --method {', '.join(sorted(users))}; "
+                       f"--method {args.method} would ignore it")
   specs = []
   for name in names:
     if name not in METHODS:

@@ -81,9 +81,22 @@ class DecodeConfig:
   mesh: Optional[jax.sharding.Mesh] = None
 
   def __post_init__(self):
+    if self.capacity < 1 or self.num_draft < 0 or self.tree_nodes < 0:
+      raise ValueError(f"capacity must be >= 1, num_draft and tree_nodes >= "
+                       f"0; got {self.capacity}, {self.num_draft}, "
+                       f"{self.tree_nodes}")
+    if self.drafter is not None and self.num_draft < 1:
+      raise ValueError(f"a drafter needs num_draft >= 1, got "
+                       f"{self.num_draft}")
     if self.tree_nodes and not isinstance(self.drafter, TreeDrafter):
       raise ValueError(f"tree_nodes={self.tree_nodes} needs a drafter that "
                        f"proposes trees, not {type(self.drafter).__name__}")
+    if self.tree_nodes > trees.MAX_NODES:
+      raise ValueError(f"tree_nodes={self.tree_nodes} is more than "
+                       f"{trees.MAX_NODES}, the largest tree specjax builds")
+    if self.block > self.capacity:
+      raise ValueError(f"a step scores {self.block} tokens per row, more "
+                       f"than the capacity {self.capacity}")
 
   @property
   def k(self) -> int:

@@ -75,12 +75,13 @@ def decode_config(model: Model, prompt_bucket: int, max_new_tokens: int,
                   sampling: SamplingParams, drafter=None, num_draft: int = 0,
                   tree_nodes: int = 0) -> engine.DecodeConfig:
   k = num_draft if drafter is not None else 0
-  dcfg = engine.DecodeConfig(capacity=0, sampling=sampling,
-                             eos_ids=model.config.eos_ids, drafter=drafter,
-                             num_draft=k, tree_nodes=tree_nodes if k else 0,
-                             mesh=model.mesh)
-  return dataclasses.replace(dcfg, capacity=bucketing.capacity_for(
-      prompt_bucket, max_new_tokens, extra=dcfg.block))
+  nodes = tree_nodes if k else 0
+  block = 1 + (nodes or k)  # DecodeConfig.block
+  return engine.DecodeConfig(
+      capacity=bucketing.capacity_for(prompt_bucket, max_new_tokens,
+                                      extra=block),
+      sampling=sampling, eos_ids=model.config.eos_ids, drafter=drafter,
+      num_draft=k, tree_nodes=nodes, mesh=model.mesh)
 
 
 def generate_ids(model: Model, prompts: Sequence[Sequence[int]], *,

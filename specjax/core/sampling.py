@@ -15,6 +15,11 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+
+F32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal f32
+F32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,7 +27,8 @@ class SamplingParams:
   """Static sampling knobs (hashable; changing them recompiles).
 
   Attributes:
-    temperature: 0 for greedy, else > 0.
+    temperature: 0 for greedy, else a normal f32 (``F32_TINY`` up to
+      ``F32_MAX``).
     top_k: keep the k most likely tokens; 0 disables.
     top_p: keep the most likely tokens until their mass reaches top_p, plus
       every token tied with the last one kept; 1 disables. In (0, 1].
@@ -34,6 +40,11 @@ class SamplingParams:
   def __post_init__(self):
     if not (math.isfinite(self.temperature) and self.temperature >= 0):
       raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+    # Acceptance math is f32: a temperature f32 cannot hold as a normal
+    # number (XLA flushes subnormals to 0) would divide 0 by 0.
+    if not (self.temperature == 0 or F32_TINY <= self.temperature <= F32_MAX):
+      raise ValueError(f"temperature {self.temperature} is outside f32's "
+                       f"range [{F32_TINY:.3g}, {F32_MAX:.3g}]; 0 is greedy")
     if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
       raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
     if self.top_k < 0:

@@ -32,6 +32,7 @@ path of greedy tokens: the output equals greedy decoding token for token.
 
 from __future__ import annotations
 
+import math
 import re
 
 import jax
@@ -94,6 +95,12 @@ def chain(root_B: jax.Array, drafts_BK: jax.Array,
       jnp.int32), valid=valid)
 
 
+# The most drafted nodes of a tree: its ancestor mask is built by one traced
+# step per node, so compile time grows with the count (and a verify forward
+# scores M + 1 tokens a row).
+MAX_NODES = 512
+
+
 def static_parents(branching: tuple[int, ...]) -> np.ndarray:
   """Parents of a full tree, breadth first: ``branching[d]`` children under
   every node at depth d (``(2, 2)`` -> 1 + 2 + 4 = 7 nodes)."""
@@ -138,9 +145,16 @@ def parse_shape(text: str) -> np.ndarray:
       branching = tuple(int(w) for w in text.split("x"))
       if min(branching) < 1:
         raise ValueError
+      nodes = sum(math.prod(branching[:d + 1]) for d in range(len(branching)))
+      if nodes > MAX_NODES:
+        raise ValueError(f"{nodes} nodes, more than {MAX_NODES}")
       return static_parents(branching)
-    return paths_parents(tuple(int(r) for r in q.split(".")) for q in
-                         text.split(","))
+    paths = text.split(",")
+    if len(paths) > MAX_NODES:
+      raise ValueError(f"{len(paths)} paths, more than {MAX_NODES} nodes")
+    if len(set(paths)) < len(paths):
+      raise ValueError("a path given twice")
+    return paths_parents(tuple(int(r) for r in q.split(".")) for q in paths)
   except ValueError as e:
     why = f" ({e})" if str(e) else ""
     raise ValueError(f"bad tree shape {text!r}: want a branching spec like "
@@ -219,8 +233,16 @@ def trie(root_B: jax.Array, paths_BPK: jax.Array, lengths_BP: jax.Array,
   siblings are distinct. Nodes are numbered breadth first (by depth, then
   by the first path through them, so earlier paths come first) and the
   first ``num_nodes`` are kept: ``M = num_nodes + 1`` nodes, root included.
-  Keeping a breadth-first prefix keeps every kept node's parent."""
+  Keeping a breadth-first prefix keeps every kept node's parent. More nodes
+  than the paths hold (P K) leave the rest invalid."""
   B, P, K = paths_BPK.shape
+  if num_nodes > P * K:  # empty paths: candidates that are never valid
+    extra = -(-num_nodes // K) - P
+    paths_BPK = jnp.concatenate(
+        [paths_BPK, jnp.zeros((B, extra, K), paths_BPK.dtype)], axis=1)
+    lengths_BP = jnp.concatenate(
+        [lengths_BP, jnp.zeros((B, extra), lengths_BP.dtype)], axis=1)
+    P += extra
   live_BPK = jnp.arange(K)[None, None, :] < lengths_BP[..., None]
   # same[b, p, q, i]: paths p and q agree on tokens 0..i and both reach i.
   same_BPPK = jnp.cumprod(

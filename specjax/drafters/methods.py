@@ -74,8 +74,12 @@ class MethodSpec:
         shape = tree.Shape(tree.parse_shape(self.tree_shape))
       except ValueError as e:
         raise MethodError(str(e)) from None
-      object.__setattr__(self, "tree_nodes",
-                         shape.num_nodes + max(self.lookup_nodes, 0))
+      nodes = shape.num_nodes + max(self.lookup_nodes, 0)
+      if self.tree_nodes not in (0, nodes):
+        raise MethodError(f"--tree-nodes {self.tree_nodes} disagrees with "
+                          f"--tree-shape {self.tree_shape!r} ({nodes} nodes "
+                          f"with the lookup's); give one of them")
+      object.__setattr__(self, "tree_nodes", nodes)
       object.__setattr__(self, "num_draft", max(
           shape.max_depth, self.num_draft if self.lookup_nodes > 0 else 0))
 

@@ -8,6 +8,9 @@ sit beside them as ``.npz``. Nothing here imports the trainer
 from __future__ import annotations
 
 import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import traverse_util
 
 from specjax.heads.base import HeadConfig
 from specjax.heads.eagle import Eagle1Head, Eagle3Head
@@ -31,3 +34,18 @@ def head_call(cfg: HeadConfig, params):
   module = head_module(cfg)
   return lambda method, *args: module.apply({"params": params}, *args,
                                             method=method)
+
+
+def param_shapes(cfg: HeadConfig) -> dict[str, tuple[int, ...]]:
+  """Every parameter's shape, by ``/``-joined path, as ``cfg``'s module
+  initializes it (nothing is computed: ``jax.eval_shape``)."""
+  D = cfg.target_dim
+  width = len(cfg.taps) * D if cfg.variant == "eagle3" else D
+  args = (jax.ShapeDtypeStruct((1, 1, width), jnp.float32),
+          jax.ShapeDtypeStruct((1, 1), jnp.int32),
+          jax.ShapeDtypeStruct((cfg.target_vocab, D), jnp.float32),
+          jax.ShapeDtypeStruct((1, 1), jnp.int32))
+  tree = jax.eval_shape(lambda *a: head_module(cfg).init(
+      jax.random.key(0), *a), *args)["params"]
+  return {k: tuple(v.shape) for k, v in
+          traverse_util.flatten_dict(tree, sep="/").items()}

@@ -74,6 +74,7 @@ def load_head(path, target: ModelConfig | None = None):
   if version not in (1, FORMAT):
     raise ValueError(f"head file {str(path)!r} has format {version}; this "
                      f"specjax reads formats 1 and {FORMAT}")
+  _check_shapes(path, cfg, params, draft_ids)
   if target is not None:
     cfg.check_fits(target)
   return cfg, params, draft_ids
@@ -91,3 +92,24 @@ def fused_layer(params, cfg: HeadConfig):
                     mlp_norm=p.pop("mlp_norm")["scale"],
                     w_gate_up=fuse_gate_up(gate, up), w_down=down)
   return p
+
+
+def _check_shapes(path, cfg: HeadConfig, params, draft_ids) -> None:
+  """ValueError naming the first parameter the file lacks, has extra or has
+  in another shape than ``cfg``'s head, or draft ids that are no draft
+  vocabulary of the target (what would otherwise fail in a kernel)."""
+  from specjax.heads import param_shapes
+  want = param_shapes(cfg)
+  got = {k: tuple(v.shape) for k, v in
+         traverse_util.flatten_dict(params, sep="/").items()}
+  for name in sorted(set(want) | set(got)):
+    if want.get(name) != got.get(name):
+      raise ValueError(f"head file {str(path)!r}: parameter {name} is "
+                       f"{got.get(name, 'missing')}, its config says "
+                       f"{want.get(name, 'no such parameter')}")
+  ids = np.asarray(draft_ids)
+  if (ids.shape != (cfg.draft_vocab,) or ids.size == 0 or ids.min() < 0
+      or ids.max() >= cfg.target_vocab or len(np.unique(ids)) != ids.size):
+    raise ValueError(f"head file {str(path)!r}: draft_ids must be "
+                     f"{cfg.draft_vocab} distinct ids below the target's "
+                     f"vocab {cfg.target_vocab}")

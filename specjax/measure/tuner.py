@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pathlib
 from typing import TYPE_CHECKING, Optional
 
@@ -100,8 +101,10 @@ class Workload:
     if not 0 <= self.temperature <= 2:
       raise ValueError(f"temperature must be in [0, 2], got "
                        f"{self.temperature}")
-    if self.latency_target_ms is not None and self.latency_target_ms <= 0:
-      raise ValueError("latency target must be > 0 ms per token")
+    if self.latency_target_ms is not None and not (
+        0 < self.latency_target_ms < math.inf):
+      raise ValueError(f"latency target must be > 0 ms per token, got "
+                       f"{self.latency_target_ms}")
 
 
 @dataclasses.dataclass(frozen=True)

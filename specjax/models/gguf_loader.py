@@ -21,8 +21,8 @@ quantized compute path would be slower than f32; docs/DESIGN.md).
 from __future__ import annotations
 
 import dataclasses
-import math
 import pathlib
+import struct
 from typing import Optional
 
 import gguf
@@ -142,6 +142,10 @@ def hf_fields(reader: gguf.GGUFReader) -> dict:
       None, a("context_length")):
     raise WeightError("GGUF phi3 with a longer context than it was trained "
                       "for (longrope) is not supported")
+  for key in ("embedding_length", "block_count", "feed_forward_length",
+              "attention.head_count"):
+    if not isinstance(a(key), int) or a(key) < 1:
+      raise WeightError(f"GGUF {prefix}{key} is {a(key)!r}, not a size")
   raw = {field: a(key) for key, field in fields.items()
          if field and prefix + key in reader.fields}
   tokens = metadata(reader, "tokenizer.ggml.tokens", None)
@@ -212,7 +216,11 @@ def load_gguf(path: str | pathlib.Path, dtype=jnp.float32, name: str = ""):
   path = pathlib.Path(path)
   if not path.is_file():
     raise FileNotFoundError(f"GGUF file not found: {path}")
-  reader = gguf.GGUFReader(str(path))
+  try:
+    reader = gguf.GGUFReader(str(path))
+  except (ValueError, KeyError, IndexError, OverflowError, struct.error) as e:
+    raise WeightError(f"cannot read GGUF file {str(path)!r}: truncated or "
+                      f"damaged ({type(e).__name__}: {e})") from None
   cfg = config_from_gguf(reader, name or path.stem)
   arch = _arch(reader)
   enum = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pathlib
 import sys
 import time
@@ -119,18 +120,37 @@ class TrainConfig:
   mesh: str = ""
 
   def __post_init__(self):
+    if self.variant not in ("eagle3", "eagle1", "medusa"):
+      raise ValueError(f"variant must be eagle3, eagle1 or medusa, got "
+                       f"{self.variant!r}")
     if self.init_layer not in ("random", "target"):
       raise ValueError(f"init_layer must be random or target, got "
                        f"{self.init_layer!r}")
     if self.init_layer == "target" and self.variant != "eagle3":
       raise ValueError("init_layer=target is for EAGLE-3 heads")
     for name in ("max_len", "batch_size", "steps", "ttt_steps", "medusa_heads",
-                 "ttt_warm_steps", "draft_vocab", "rows_bucket", "log_every"):
+                 "ttt_warm_steps", "draft_vocab", "rows_bucket", "log_every",
+                 "num_conversations", "regen_max_new_tokens"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-    if self.checkpoint_every < 0:
-      raise ValueError(f"checkpoint_every must be >= 0 (0: never), got "
-                       f"{self.checkpoint_every}")
+    # keep = 0 would let orbax keep no checkpoint: a rerun would start over.
+    if self.keep < 1:
+      raise ValueError(f"keep must be >= 1 (checkpoints kept), got "
+                       f"{self.keep}; checkpoint_every=0 saves none")
+    for name in ("checkpoint_every", "heldout", "warmup", "regenerate",
+                 "feature_cache", "seed"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+    for name, ok, rule in (
+        ("lr", lambda v: 0 < v < math.inf, "> 0"),
+        ("clip_norm", lambda v: 0 < v < math.inf, "> 0"),
+        ("weight_decay", lambda v: 0 <= v < math.inf, ">= 0"),
+        ("regen_temperature", lambda v: 0 <= v < math.inf, ">= 0"),
+        ("b2", lambda v: 0 <= v <= 1, "in [0, 1]"),
+        ("final_lr_fraction", lambda v: 0 <= v <= 1, "in [0, 1]"),
+        ("ttt_warm_fraction", lambda v: 0 <= v <= 1, "in [0, 1]")):
+      if not ok(getattr(self, name)):  # NaN fails every rule
+        raise ValueError(f"{name} must be {rule}, got {getattr(self, name)}")
     if self.init_head and not pathlib.Path(self.init_head).is_file():
       raise ValueError(f"init_head: no file {self.init_head!r}")
 
@@ -506,9 +526,22 @@ def _batches(cfg: TrainConfig, s: Setup, work: pathlib.Path, progress: bool):
 
 
 def _truncate_metrics(path: pathlib.Path, step: int) -> None:
-  """Drops metric lines past the restored step (they will be redone)."""
+  """Keeps the metric lines up to the restored step; the lines past it
+  (they will be redone) and torn ones (a kill mid-write) move to
+  ``metrics.dropped.jsonl`` beside it, so a rerun loses nothing."""
   if not path.is_file():
     return
-  keep = [l for l in path.read_text().splitlines()
-          if l.strip() and json.loads(l)["step"] <= step]
-  path.write_text("".join(l + "\n" for l in keep))
+
+  def kept(line: str) -> bool:
+    try:
+      return json.loads(line)["step"] <= step
+    except (ValueError, KeyError, TypeError):
+      return False
+
+  lines = [l for l in path.read_text(errors="replace").splitlines()
+           if l.strip()]
+  dropped = [l for l in lines if not kept(l)]
+  if dropped:
+    with open(path.with_name("metrics.dropped.jsonl"), "a") as f:
+      f.write("".join(l + "\n" for l in dropped))
+  path.write_text("".join(l + "\n" for l in lines if kept(l)))
