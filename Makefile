@@ -18,7 +18,7 @@ REFS   := gemma==2.0.8 sentencepiece==0.2.3
 # llama.cpp's own HF -> GGUF converter (tests/test_gguf_loader.py writes each
 # architecture's GGUF with it): three paths of the llama-cpp-python sdist,
 # nothing compiled.
-LLAMACPP  := llama-cpp-python==0.3.36
+LLAMACPP_VERSION := 0.3.36
 CONVERTER := $(VENV)/llama.cpp/convert_hf_to_gguf.py
 
 # The native CPU kernels (specjax/kernels/native.py: a small-row matmul and decode
@@ -44,13 +44,8 @@ $(STAMP): setup.cfg pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps $(ASSETS) $(REFS)
 	touch $(STAMP)
 
-$(CONVERTER): $(STAMP)
-	rm -rf $(VENV)/llama.cpp $(VENV)/sdist && mkdir -p $(VENV)/sdist
-	$(BIN)/pip download -q --no-deps --no-binary :all: -d $(VENV)/sdist $(LLAMACPP)
-	tar xzf $(VENV)/sdist/*.tar.gz -C $(VENV)/sdist --wildcards \
-	  '*/vendor/llama.cpp/convert_hf_to_gguf.py' '*/vendor/llama.cpp/conversion' \
-	  '*/vendor/llama.cpp/gguf-py'
-	mv $(VENV)/sdist/*/vendor/llama.cpp $(VENV)/llama.cpp && rm -rf $(VENV)/sdist
+$(CONVERTER): $(STAMP) tests/fetch_converter.py
+	$(BIN)/python tests/fetch_converter.py $(LLAMACPP_VERSION) $(VENV)/llama.cpp
 	touch $@
 
 demo: $(STAMP) $(NATIVE)
