@@ -161,7 +161,8 @@ def _load_each_model_once(monkeypatch):
     *((("train", "--config", "experiments/eagle3_smollm2.py", "--workdir",
         "/tmp/x", "--set", setting), [words]) for setting, words in (
             ("keep=0", "keep must be >= 1"),
-            ("variant=eagle9", "variant must be eagle3, eagle1 or medusa"),
+            ("variant=eagle9",
+             "variant must be one of eagle3, eagle1, medusa, got 'eagle9'"),
             ("lr=nan", "lr must be > 0, got nan"),
             ("lr=-1", "lr must be > 0"),
             ("ttt_warm_fraction=nan", "ttt_warm_fraction must be in [0, 1]"),

@@ -105,7 +105,12 @@ class DecodeConfig:
   @property
   def block(self) -> int:
     """Tokens a verify forward scores per row: the newest plus the drafts."""
-    return 1 + (self.tree_nodes if self.tree_nodes else self.k)
+    return block_width(self.k, self.tree_nodes)
+
+
+def block_width(num_draft: int, tree_nodes: int = 0) -> int:
+  """``DecodeConfig.block`` of K drafts (a chain) or of a tree's nodes."""
+  return 1 + (tree_nodes or num_draft)
 
 
 @struct.dataclass

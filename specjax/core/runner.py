@@ -76,10 +76,9 @@ def decode_config(model: Model, prompt_bucket: int, max_new_tokens: int,
                   tree_nodes: int = 0) -> engine.DecodeConfig:
   k = num_draft if drafter is not None else 0
   nodes = tree_nodes if k else 0
-  block = 1 + (nodes or k)  # DecodeConfig.block
   return engine.DecodeConfig(
       capacity=bucketing.capacity_for(prompt_bucket, max_new_tokens,
-                                      extra=block),
+                                      extra=engine.block_width(k, nodes)),
       sampling=sampling, eos_ids=model.config.eos_ids, drafter=drafter,
       num_draft=k, tree_nodes=nodes, mesh=model.mesh)
 

@@ -118,10 +118,13 @@ def static_parents(branching: tuple[int, ...]) -> np.ndarray:
 def paths_parents(paths) -> np.ndarray:
   """Parents of the tree of rank paths (Medusa's "choices"): path ``(0, 2)``
   is the root's best child's third-best child. Every prefix of a path must
-  be a path too, and a node's children must be ranks 0..c-1. Nodes breadth
-  first, siblings by rank, so child i of a node is its i-th best token."""
-  paths = sorted({tuple(int(r) for r in q) for q in paths},
-                 key=lambda q: (len(q), q))
+  be a path too, a node's children must be ranks 0..c-1, and no path may
+  come twice. Nodes breadth first, siblings by rank, so child i of a node
+  is its i-th best token."""
+  paths = [tuple(int(r) for r in q) for q in paths]
+  if len(set(paths)) < len(paths):
+    raise ValueError("a path given twice")
+  paths = sorted(paths, key=lambda q: (len(q), q))
   index = {(): 0}
   parents = [0]
   for q in paths:
@@ -152,8 +155,6 @@ def parse_shape(text: str) -> np.ndarray:
     paths = text.split(",")
     if len(paths) > MAX_NODES:
       raise ValueError(f"{len(paths)} paths, more than {MAX_NODES} nodes")
-    if len(set(paths)) < len(paths):
-      raise ValueError("a path given twice")
     return paths_parents(tuple(int(r) for r in q.split(".")) for q in paths)
   except ValueError as e:
     why = f" ({e})" if str(e) else ""

@@ -19,6 +19,9 @@ from specjax.models.layers import (PackedWeight, linear, pack_weight,
                                    rms_norm, rope, rope_inv_freq)
 
 
+VARIANTS = ("eagle3", "eagle1", "medusa")
+
+
 @dataclasses.dataclass(frozen=True)
 class HeadConfig:
   """Static shape of a head (hashable).
@@ -56,8 +59,9 @@ class HeadConfig:
   medusa_heads: int = 0
 
   def __post_init__(self):
-    if self.variant not in ("eagle3", "eagle1", "medusa"):
-      raise ValueError(f"unknown head variant {self.variant!r}")
+    if self.variant not in VARIANTS:
+      raise ValueError(f"unknown head variant {self.variant!r} (choose from "
+                       f"{', '.join(VARIANTS)})")
     if (self.variant == "medusa") != (self.medusa_heads > 0):
       raise ValueError(f"medusa_heads must be > 0 exactly for Medusa heads, "
                        f"got {self.medusa_heads} for {self.variant}")
@@ -160,9 +164,11 @@ class DecoderLayer(nn.Module):
   in_dim: int
 
   def _weight(self, name, init, shape):
-    # Loaded weights are taken as they are (a packed one has other shapes).
+    # A packed weight has other shapes than Flax's check expects (as Dense).
     if self.has_variable("params", name):
-      return self.get_variable("params", name)
+      w = self.get_variable("params", name)
+      if isinstance(w, PackedWeight):
+        return w
     return self.param(name, init, shape)
 
   def setup(self):

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from specjax.heads import param_shapes
 from specjax.heads.base import HeadConfig
 from specjax.models.config import ModelConfig
 from specjax.models.decoder import fuse_qkv
@@ -98,7 +99,6 @@ def _check_shapes(path, cfg: HeadConfig, params, draft_ids) -> None:
   """ValueError naming the first parameter the file lacks, has extra or has
   in another shape than ``cfg``'s head, or draft ids that are no draft
   vocabulary of the target (what would otherwise fail in a kernel)."""
-  from specjax.heads import param_shapes
   want = param_shapes(cfg)
   got = {k: tuple(v.shape) for k, v in
          traverse_util.flatten_dict(params, sep="/").items()}

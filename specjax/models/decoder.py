@@ -217,6 +217,11 @@ def _rope_tables(cfg: ModelConfig, windows, positions_BT):
   return lambda w: full if w is None else local
 
 
+def _norm(cfg: ModelConfig, x: jax.Array, w: jax.Array) -> jax.Array:
+  """The architecture's RMSNorm (its eps; Gemma's ``1 + w``)."""
+  return rms_norm(x, w, cfg.norm_eps, cfg.norm_offset)
+
+
 def layer_qkv(lp: LayerParams, cfg: ModelConfig, x_BTX: jax.Array,
               cos_sin) -> tuple[jax.Array, jax.Array, jax.Array]:
   """A layer's RoPE'd queries ``[B, T, N, H]``, keys and values
@@ -229,9 +234,8 @@ def layer_qkv(lp: LayerParams, cfg: ModelConfig, x_BTX: jax.Array,
   qkv_BTGJH = qkv.reshape(B, T, G, R + 2, H)  # fuse_qkv's order, J = R + 2
   qk = qkv_BTGJH[:, :, :, :R + 1]
   if lp.q_norm is not None:
-    norm = lambda x, w: rms_norm(x, w, cfg.norm_eps, cfg.norm_offset)
-    qk = jnp.concatenate([norm(qk[:, :, :, :R], lp.q_norm),
-                          norm(qk[:, :, :, R:], lp.k_norm)], axis=3)
+    qk = jnp.concatenate([_norm(cfg, qk[:, :, :, :R], lp.q_norm),
+                          _norm(cfg, qk[:, :, :, R:], lp.k_norm)], axis=3)
   qk = apply_rope(qk, *cos_sin)
   return (qk[:, :, :, :R].reshape(B, T, N, H), qk[:, :, :, R],
           qkv_BTGJH[:, :, :, R + 1])
@@ -242,15 +246,14 @@ def layer_out(lp: LayerParams, cfg: ModelConfig, x_BTD: jax.Array,
   """The rest of a layer once attention ran (``attn`` ``[B, T, N H]`` or
   ``[B, T, N, H]``): its output projection (and norm) onto the residual
   stream ``x_BTD``, then the MLP block the same way."""
-  norm = lambda x, w: rms_norm(x, w, cfg.norm_eps, cfg.norm_offset)
   a_BTD = linear(attn.reshape(*x_BTD.shape[:2], -1), lp.wo, lp.bo)
   if lp.post_attn_norm is not None:
-    a_BTD = norm(a_BTD, lp.post_attn_norm)
+    a_BTD = _norm(cfg, a_BTD, lp.post_attn_norm)
   x_BTD = x_BTD + a_BTD
-  m_BTD = gated_mlp(norm(x_BTD, lp.mlp_norm), lp.w_gate_up, lp.w_down,
-                    cfg.activation, lp.b_gate_up, lp.b_down)
+  m_BTD = gated_mlp(_norm(cfg, x_BTD, lp.mlp_norm), lp.w_gate_up,
+                    lp.w_down, cfg.activation, lp.b_gate_up, lp.b_down)
   if lp.post_mlp_norm is not None:
-    m_BTD = norm(m_BTD, lp.post_mlp_norm)
+    m_BTD = _norm(cfg, m_BTD, lp.post_mlp_norm)
   return x_BTD + m_BTD
 
 
@@ -319,7 +322,6 @@ def forward(params: DecoderParams, cfg: ModelConfig, tokens_BT: jax.Array,
 
   H = cfg.head_dim
   scale = H ** -0.5 if cfg.query_scale is None else cfg.query_scale
-  norm = lambda x, w: rms_norm(x, w, cfg.norm_eps, cfg.norm_offset)
   x_BTD = jnp.take(params.embed, tokens_BT, axis=0)
   if cfg.embed_scale is not None:
     x_BTD = x_BTD * jnp.asarray(cfg.embed_scale, x_BTD.dtype)
@@ -327,7 +329,8 @@ def forward(params: DecoderParams, cfg: ModelConfig, tokens_BT: jax.Array,
   for c, (i, window) in enumerate(zip(run, windows)):
     lp = params.layers[i]
     hidden.append(x_BTD)
-    q, k, v = layer_qkv(lp, cfg, norm(x_BTD, lp.attn_norm), tables(window))
+    q, k, v = layer_qkv(lp, cfg, _norm(cfg, x_BTD, lp.attn_norm),
+                        tables(window))
     if write_cache:
       # Write first, then attend (over the prefix): reading the buffers
       # before the write would make XLA copy them to keep the old values.
@@ -347,7 +350,7 @@ def forward(params: DecoderParams, cfg: ModelConfig, tokens_BT: jax.Array,
                       lengths=lengths_B + T if write_cache else lengths_B)
   tap_out = jnp.stack([hidden[t] for t in taps]) if taps else None
 
-  h_BTD = norm(x_BTD, params.final_norm)
+  h_BTD = _norm(cfg, x_BTD, params.final_norm)
   if logit_positions_BP is not None:
     h_BTD = jnp.take_along_axis(h_BTD, logit_positions_BP[..., None], axis=1)
   w_VD = params.embed if params.lm_head is None else params.lm_head

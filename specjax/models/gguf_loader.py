@@ -71,6 +71,7 @@ _OWN_ROPE_KEYS = {"gemma2": {"rope.freq_base_swa"},
 # full) and, for Gemma 3, no window at all without the key.
 _PATTERN = {"gemma2": 2, "gemma3": 6}
 _SIZE_KEYS = ("attention.value_length", "rope.dimension_count")
+GEMMA = ("gemma2", "gemma3")
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp's size rule
 
 _REQUIRED = object()
@@ -165,7 +166,7 @@ def hf_fields(reader: gguf.GGUFReader) -> dict:
              tie_word_embeddings="output.weight" not in names,
              bos_token_id=metadata(reader, "tokenizer.ggml.bos_token_id", None),
              eos_token_id=metadata(reader, "tokenizer.ggml.eos_token_id", None))
-  if arch in _GEMMA_27B_LAYERS:
+  if arch in GEMMA:
     big = raw["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch]
     raw["query_pre_attn_scalar"] = (raw["hidden_size"] //
                                     raw["num_attention_heads"] if big
@@ -206,7 +207,7 @@ def config_from_gguf(reader: gguf.GGUFReader, name: str = "gguf") -> ModelConfig
   cfg = dataclasses.replace(
       cfg, qkv_bias="attn_q.bias" in names, o_bias="attn_output.bias" in names,
       mlp_bias="ffn_up.bias" in names)
-  if arch in _GEMMA_27B_LAYERS:  # the file holds 1 + w
+  if arch in GEMMA:  # the file holds 1 + w
     cfg = dataclasses.replace(cfg, norm_offset=0.0)
   return cfg
 

@@ -29,7 +29,7 @@ import optax
 
 from specjax.core import sharding
 from specjax.heads import FROZEN, head_module
-from specjax.heads.base import HeadConfig
+from specjax.heads.base import VARIANTS, HeadConfig
 from specjax.heads.export import save_head
 from specjax.heads.vocab import DraftVocab, build_draft_vocab, draft_rows
 from specjax.models.target import Target
@@ -120,8 +120,8 @@ class TrainConfig:
   mesh: str = ""
 
   def __post_init__(self):
-    if self.variant not in ("eagle3", "eagle1", "medusa"):
-      raise ValueError(f"variant must be eagle3, eagle1 or medusa, got "
+    if self.variant not in VARIANTS:
+      raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got "
                        f"{self.variant!r}")
     if self.init_layer not in ("random", "target"):
       raise ValueError(f"init_layer must be random or target, got "
