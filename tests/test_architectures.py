@@ -27,7 +27,9 @@ from tests.test_eagle_ttt import greedy_decode
 from tests.tiny_hf import ARCH_CONFIGS, make_tiny
 
 ARCHS = sorted(ARCH_CONFIGS)
-FAST = "gemma2_softcap"  # drafters on every architecture: the long stage
+# Every drafter against transformers' greedy output: three architectures in
+# the fast stage, the rest in the long one.
+FAST = ("gemma2_softcap", "mistral_window", "qwen3_qknorm")
 S = 48  # cache capacity
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5], [9, 1, 9, 1, 9, 1, 2]]
 
@@ -113,17 +115,25 @@ def test_each_feature_binds(arch):
   assert diff > 1e-2, diff
 
 
+def _transformers_greedy(model, prompts, max_new):
+  """transformers' own greedy decoding, each prompt alone."""
+  out = []
+  for prompt in prompts:
+    with torch.no_grad():
+      ids = model.generate(torch.tensor([prompt]), do_sample=False,
+                           max_new_tokens=max_new, min_new_tokens=max_new,
+                           pad_token_id=0)
+    out.append(ids[0, len(prompt):].tolist())
+  return out
+
+
 def test_greedy_matches_transformers_generate(arch):
   """Invariant: 32 greedy tokens of specjax's AR decoding (one ragged batch)
   equal transformers' ``generate(do_sample=False)`` for each prompt."""
   _, model, cfg, params, _ = arch
   ours, _ = greedy_decode(params, Decoder(cfg), PROMPTS, 32)(
       engine.DecodeConfig(capacity=S))
-  for p, got in zip(PROMPTS, ours):
-    with torch.no_grad():
-      ref = model.generate(torch.tensor([p]), do_sample=False,
-                           max_new_tokens=32, min_new_tokens=32)
-    assert got == ref[0, len(p):].tolist()
+  assert ours == _transformers_greedy(model, PROMPTS, 32)
 
 
 def test_tree_attention_equals_root_paths(arch):
@@ -159,58 +169,95 @@ def test_tree_attention_equals_root_paths(arch):
   np.testing.assert_allclose(tree(params), alone(params), atol=2e-5)
 
 
-def every_drafter(target, params, draft=None):
-  """Every kind of drafter on ``target``: ``{name: (DecodeConfig kwargs,
-  drafter params)}``; ``draft``: a draft model's ``(target, params)``."""
+def every_drafter(target, params, draft=None, names=None):
+  """Every kind of drafter on ``target`` (or those in ``names``): ``{name:
+  (DecodeConfig kwargs, drafter params)}``; untrained heads (EAGLE-3,
+  EAGLE-1, Medusa) over the full vocabulary, a datastore of random streams;
+  ``draft``: a draft model's ``(target, params)``."""
+  from specjax.core import tree
   from specjax.drafters import (DraftModelDrafter, LayerSkipDrafter,
-                                NGramDrafter)
+                                LookupDrafter, NGramDrafter)
   from specjax.drafters.eagle import EagleDrafter, EagleParams
+  from specjax.drafters.medusa import MedusaDrafter, MedusaParams
+  from specjax.drafters.retrieval import build_datastore
+  from specjax.drafters.union import TreeUnion, UnionParams
   from specjax.heads.base import HeadConfig
   from specjax.heads.vocab import build_draft_vocab
   from specjax.training.train import init_head
   cfg = target.config
   V, L = cfg.vocab_size, cfg.num_layers
-  hcfg = HeadConfig.for_target(cfg, V, **({} if L >= 3 else dict(
-      taps=(0, 1, 2))))
   vocab = build_draft_vocab([np.arange(V)], V, V)
-  head = EagleParams(head=init_head(jax.random.key(0), hcfg, target, params,
-                                    vocab),
-                     draft_ids=jnp.asarray(vocab.ids),
-                     embed=target.embedding(params))
-  drafters = {
-      "ngram": (dict(drafter=NGramDrafter(), num_draft=4), None),
-      "ngram_trie": (dict(drafter=NGramDrafter(num_paths=3), num_draft=4,
-                          tree_nodes=8), None),
-      "eagle3": (dict(drafter=EagleDrafter(hcfg), num_draft=3), head),
-      "eagle3_tree": (dict(drafter=EagleDrafter(hcfg, tree_width=2),
-                           num_draft=3, tree_nodes=6), head),
-      "layerskip": (dict(drafter=LayerSkipDrafter.from_target(target, 1),
-                         num_draft=3), params),
+
+  ids = jnp.asarray(vocab.ids)
+
+  def head(variant, **kw):
+    hcfg = HeadConfig.for_target(cfg, V, variant=variant, **kw)
+    return hcfg, init_head(jax.random.key(0), hcfg, target, params, vocab)
+
+  def eagle(variant="eagle3", **drafter):
+    hcfg, h = head(variant, **({} if L >= 3 or variant != "eagle3" else
+                               dict(taps=(0, 1, 2))))
+    return EagleDrafter(hcfg, **drafter), EagleParams(
+        head=h, draft_ids=ids, embed=target.embedding(params))
+
+  def medusa(**drafter):
+    hcfg, h = head("medusa", medusa_heads=3)
+    return MedusaDrafter(hcfg, **drafter), MedusaParams(head=h, draft_ids=ids)
+
+  def store():
+    return jax.device_put(build_datastore(
+        np.random.default_rng(0).integers(0, V, (8, 40)), num_slots=1024))
+
+  def union():
+    drafter, hparams = eagle(tree_width=2)
+    return TreeUnion(drafter, LookupDrafter(), 3), UnionParams(
+        head=hparams, table=store())
+
+  static = lambda text: tuple(tree.parse_shape(text))
+  entry = lambda pair, K, nodes=0: (dict(drafter=pair[0], num_draft=K,
+                                         tree_nodes=nodes), pair[1])
+  build = {  # name: () -> (DecodeConfig kwargs, drafter params)
+      "ngram": lambda: entry((NGramDrafter(), None), 4),
+      "ngram_trie": lambda: entry((NGramDrafter(num_paths=3), None), 4, 8),
+      "lookup_trie": lambda: entry((LookupDrafter(), store()), 4, 6),
+      "eagle3": lambda: entry(eagle(), 3),
+      "eagle3_tree": lambda: entry(eagle(tree_width=2), 3, 6),
+      "eagle3_static_2x2": lambda: entry(eagle(tree_shape=static("2x2")), 3, 6),
+      "eagle3_tree+lookup": lambda: entry(union(), 3, 7),
+      "eagle1": lambda: entry(eagle("eagle1"), 3),
+      "medusa": lambda: entry(medusa(), 3),
+      "medusa_static_2x2x1": lambda: entry(
+          medusa(tree_shape=static("2x2x1")), 3, 10),
+      "layerskip": lambda: entry(
+          (LayerSkipDrafter.from_target(target, 1), params), 3),
   }
   if draft is not None:
-    drafters["draft_model"] = (dict(drafter=DraftModelDrafter(draft[0]),
-                                    num_draft=3), draft[1])
-  return drafters
+    build["draft_model"] = lambda: entry(
+        (DraftModelDrafter(draft[0]), draft[1]), 3)
+  return {name: build[name]() for name in (names or build)}
 
 
 @pytest.mark.parametrize("arch", [
-    a if a == FAST else pytest.param(a, marks=pytest.mark.long)
+    a if a in FAST else pytest.param(a, marks=pytest.mark.long)
     for a in ARCHS], indirect=True)
-def test_every_drafter_greedy_equals_ar(arch, tmp_path):
-  """Invariant: at T = 0, n-gram (chain and trie), an untrained EAGLE-3
-  head (chain and dynamic tree), layer-skip and a draft model (the same
-  architecture, other weights) emit AR's tokens on every architecture; and
-  drafts were both accepted and rejected along the way."""
-  name, _, cfg, params, _ = arch
+def test_every_drafter_greedy_equals_transformers(arch, tmp_path):
+  """Invariant: at T = 0 on a ragged batch, every drafter (n-gram chain
+  and trie, the n-gram/retrieval trie, untrained EAGLE-3
+  chain, dynamic and static trees and tree + lookup trie, EAGLE-1 and
+  Medusa chains, a Medusa static tree, layer-skip, and a draft model of the
+  same architecture with other weights) emit transformers'
+  ``generate(do_sample=False)`` tokens for each row run alone, on every
+  architecture; and drafts were both accepted and rejected along the way."""
+  name, model, cfg, params, _ = arch
   make_tiny(name, tmp_path, seed=1)
   run = greedy_decode(params, Decoder(cfg), PROMPTS, 32)
-  ar, _ = run(engine.DecodeConfig(capacity=S))
+  reference = _transformers_greedy(model, PROMPTS, 32)
   drafted = accepted = 0
   draft_cfg, draft_params = load_hf(tmp_path)
   for method, (kw, dparams) in every_drafter(
       Decoder(cfg), params, (Decoder(draft_cfg), draft_params)).items():
     spec, st = run(engine.DecodeConfig(capacity=S, **kw), dparams)
-    assert spec == ar, method
+    assert spec == reference, method
     assert int(st.num_drafted.sum()) > 0, method
     drafted += int(st.num_drafted.sum())
     accepted += int(st.accepted_at.sum())

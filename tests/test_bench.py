@@ -45,7 +45,10 @@ def test_bench_contract_on_smollm2(smollm2):
   split = res["time_split"]
   assert set(split) == {"draft_s", "verify_s", "rest_s"}
   assert all(v >= 0 for v in split.values())
-  assert sum(split.values()) >= 0.999  # == 1 unless rest was clipped at 0
+  # A partition of the wall time: == 1, or more when rest was clipped at 0.
+  assert sum(split.values()) >= 0.999
+  assert split["rest_s"] > 0 or sum(split.values()) <= 1.5, split
+  assert split["rest_s"] == 0 or abs(sum(split.values()) - 1) < 1e-3, split
   assert res["speedup"] > 0 and res["predicted_speedup"] > 0
 
 

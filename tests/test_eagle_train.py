@@ -367,14 +367,19 @@ def test_a_second_run_of_another_length_reuses_the_compiled_step(
   assert {k: f._cache_size() for k, f in etrain._step_fns.items()} == compiled
 
 
-def test_non_finite_loss_stops_and_keeps_the_last_good_head(tiny_model,
-                                                            tmp_path):
+@pytest.mark.parametrize("mutation", [None, "no_guard"])
+def test_non_finite_loss_stops_and_keeps_the_last_good_head(
+    tiny_model, tmp_path, mutation, monkeypatch):
   """Invariant: the first step whose loss is not finite is not applied: the
   run ends at the step before, says why, saves no checkpoint, and the
-  exported head is that step's (finite). Mutation caught: without the
-  guard the NaN step is applied and the run goes on to step 6."""
+  exported head is that step's (its parameters rounded to bf16, exactly).
+  Mutation caught: without the guard (``train.applies`` always true) the
+  NaN step is applied and the run goes on."""
   import jax
+  import jax.numpy as jnp
   from specjax.heads.export import load_head
+  if mutation:
+    monkeypatch.setattr(etrain, "applies", lambda loss: True)
   n, heldout = 10, CFG.heldout
   bad = tiny_model.config.vocab_size  # out of range: its embedding is NaN
   ex = _examples(n)
@@ -389,6 +394,9 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_head(tiny_model,
   ex.ids[train_rows[fresh[0]], 1] = bad  # a prompt token: not in Vd's count
   run = etrain.train(CFG, tmp_path / "w", model=tiny_model, examples=ex,
                      progress=False)
+  if mutation:
+    assert run.step > 3 and not run.stopped
+    return
   assert run.step == 3 and sorted(run.losses) == [0, 1, 2]
   assert "non-finite loss at step 4" in run.stopped
   assert all(np.isfinite(v) for v in run.losses.values())
@@ -396,8 +404,8 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_head(tiny_model,
   _, head, _ = load_head(tmp_path / "w" / "head.npz")
   for a, b in zip(jax.tree.leaves(head), jax.tree.leaves(run.params)):
     assert np.all(np.isfinite(a))
-    np.testing.assert_allclose(a, np.asarray(b, np.float32), rtol=1e-2,
-                               atol=1e-2)
+    np.testing.assert_array_equal(
+        a, np.asarray(jnp.asarray(b, jnp.bfloat16), np.float32))
 
 
 def test_a_checkpoint_that_does_not_fit_is_named(tiny_model, tmp_path):

@@ -78,21 +78,45 @@ def test_stop_clauses(tiny):
     assert int(reason) == engine.STOP_CAPACITY
 
 
-def test_stream_equals_generate(tiny):
+def _sampled_ngram():
+  return engine.DecodeConfig(capacity=64, sampling=SamplingParams(
+      0.8, top_k=20, top_p=0.9), drafter=NGramDrafter(), num_draft=3)
+
+
+@pytest.mark.parametrize("how", ["ar_greedy", "ngram_sampled"])
+def test_stream_equals_generate(tiny, how):
   """Invariant: the Python-driven stream (jitted step, donated state) ends in
-  the same tokens as the single while_loop call, one new token per step."""
+  the same tokens as the single while_loop call -- at T = 0 one new token
+  per step, and at T = 0.8 with top-k/top-p and n-gram drafts (the stream
+  splits the key as generate does) -- and never takes a token back."""
   cfg, params = tiny
-  dcfg = engine.DecodeConfig(capacity=64)
+  dcfg = (engine.DecodeConfig(capacity=64) if how == "ar_greedy"
+          else _sampled_ngram())
   outs, _ = _run(params, cfg, PROMPTS, 7, dcfg)
   prompt_BT, lengths = bucketing.pad_prompts(PROMPTS)
-  counts = []
+  counts, seen = [], [[] for _ in PROMPTS]
   for state in engine.stream(params, prompt_BT, lengths, jax.random.key(0),
                              np.int32(7), target=Decoder(cfg), dcfg=dcfg):
     counts.append(int(state.num_tokens[0]))
     last = [state.tokens[b, lengths[b]:state.num_tokens[b]].tolist()
             for b in range(len(PROMPTS))]
+    assert all(row[:len(old)] == old for row, old in zip(last, seen))
+    seen = last
   assert last == outs
-  assert counts == list(range(len(PROMPTS[0]) + 1, len(PROMPTS[0]) + 8))
+  if how == "ar_greedy":
+    assert counts == list(range(len(PROMPTS[0]) + 1, len(PROMPTS[0]) + 8))
+  else:
+    assert len(counts) < 7 * len(PROMPTS)  # drafts were accepted
+
+
+def test_the_key_decides_a_sampled_run(tiny):
+  """Invariant: at T = 0.8 with n-gram drafts, one key gives one output
+  and another key another one (the engine uses the key it is given, not a
+  fixed one)."""
+  cfg, params = tiny
+  runs = [_run(params, cfg, PROMPTS, 12, _sampled_ngram(), seed=k)[0]
+          for k in (1, 1, 2)]
+  assert runs[0] == runs[1] and runs[0] != runs[2]
 
 
 def test_no_recompilation_within_bucket(tiny, monkeypatch):

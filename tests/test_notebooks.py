@@ -8,6 +8,13 @@ import pytest
 NOTEBOOKS = sorted((pathlib.Path(__file__).parents[1] / "notebooks").glob("*.ipynb"))
 
 
+def test_the_notebooks_are_found():
+  """Invariant: the glob the long test runs over finds the five notebooks
+  (moved or renamed ones would otherwise leave it with nothing to run)."""
+  assert [p.name for p in NOTEBOOKS][:1] == ["01_quickstart.ipynb"]
+  assert len(NOTEBOOKS) >= 5
+
+
 @pytest.mark.long
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_executes(path, tmp_path, monkeypatch):

@@ -58,6 +58,22 @@ def _poison(clean):
   raise AssertionError("no token to poison; change the seed")
 
 
+def _poisoned_run(tiny, method):
+  """The batch with one embedding row NaN (and a row whose prompt holds
+  it): ``(outputs, stop reasons, the clean outputs, where row 2 generates
+  the poisoned token)``."""
+  from specjax.drafters import DraftModelDrafter
+  cfg, params = tiny
+  clean, _ = _run(params, cfg, PROMPTS)
+  t, j = _poison(clean)
+  bad = params.replace(embed=params.embed.at[t].set(jnp.nan))
+  kw = (dict(drafter=DraftModelDrafter(Decoder(cfg)), num_draft=3,
+             drafter_params=params) if method == "draft_model"
+        else METHODS[method])
+  out, why = _run(bad, cfg, PROMPTS + [[t, 5]], **kw)
+  return out, why, clean, j
+
+
 @pytest.mark.parametrize("method", sorted(METHODS) + ["draft_model"])
 def test_nonfinite_logits_stop_the_row_where_ar_would(tiny, method):
   """Invariant (T = 0): with one embedding row of the target set to NaN,
@@ -68,22 +84,34 @@ def test_nonfinite_logits_stop_the_row_where_ar_would(tiny, method):
   target: it drafts the poisoned token inside a block, and the step must
   cut its drafts before the first non-finite position; and the attention
   must keep a NaN value at a later block position out of the earlier
-  positions' outputs, or (3) fails: 0 x NaN). Mutation: without the cut
-  the draft-model row emits a token read from zeroed NaN logits after the
-  poisoned one and (1) fails."""
-  from specjax.drafters import DraftModelDrafter
-  cfg, params = tiny
-  clean, _ = _run(params, cfg, PROMPTS)
-  t, j = _poison(clean)
-  bad = params.replace(embed=params.embed.at[t].set(jnp.nan))
-  kw = (dict(drafter=DraftModelDrafter(Decoder(cfg)), num_draft=3,
-             drafter_params=params) if method == "draft_model"
-        else METHODS[method])
-  out, why = _run(bad, cfg, PROMPTS + [[t, 5]], **kw)
+  positions' outputs, or (3) fails: 0 x NaN).
+  test_the_nonfinite_check_catches_a_missing_cut shows (1) failing
+  without the cut."""
+  out, why, clean, j = _poisoned_run(tiny, method)
   assert out[2] == clean[2][:j + 1] and why[2] == "nonfinite"
   assert out[4] == [] and why[4] == "nonfinite"
   for b in (0, 1, 3):
     assert out[b] == clean[b] and why[b] == "length"
+
+
+def test_the_nonfinite_check_catches_a_missing_cut(tiny, monkeypatch):
+  """Invariant (mutation check): a chain step that verifies its drafts
+  past the first non-finite position (the cut removed) lets the
+  draft-model row emit a token read from zeroed NaN logits after the
+  poisoned one, and the check above fails."""
+  real = engine._chain_cut
+
+  def uncut(logits_BTV, num_draft_B, live_B):
+    logits, _, stops = real(logits_BTV, num_draft_B, live_B)
+    return logits, num_draft_B, stops
+
+  monkeypatch.setattr(engine, "_chain_cut", uncut)
+  jax.clear_caches()
+  try:
+    out, why, clean, j = _poisoned_run(tiny, "draft_model")
+  finally:
+    jax.clear_caches()
+  assert out[2] != clean[2][:j + 1]
 
 
 @pytest.mark.long
@@ -222,13 +250,16 @@ def test_prompt_at_the_context_limit(tiny):
   from specjax.models.registry import Model
   cfg, params = tiny
   model = Model(target=Decoder(cfg), params=params, tokenizer=None)
-  prompt = [[3, 4] * ((cfg.max_position - 4) // 2)]
-  assert len(prompt[0]) + 4 == cfg.max_position
+  # Every token once (an n-gram match after whatever comes next), then a
+  # repeat up to the limit.
+  prompt = [(list(range(cfg.vocab_size))
+             + [3, 4] * cfg.max_position)[:cfg.max_position - 4]]
   outs = [runner.generate_ids(model, prompt, max_new_tokens=4, **kw).rows[0]
           for kw in ({}, dict(drafter=NGramDrafter(), num_draft=4))]
   assert outs[0].output_ids == outs[1].output_ids
   assert [len(r.output_ids) for r in outs] == [4, 4]
   assert [r.stop_reason for r in outs] == ["length", "length"]
+  assert outs[1].num_drafted > 0  # the n-gram run drafted near the end
 
 
 _ROLLBACK_B, _ROLLBACK_T, _ROLLBACK_S = 3, 4, 32

@@ -207,14 +207,16 @@ def test_greedy_retrieval_equals_ar(tiny, tree_nodes, drafter):
 
 
 @pytest.mark.long
-def test_head_tree_with_the_lookup_trie_equals_ar(tiny):
+@pytest.mark.parametrize("mutation", [None, "trie_dropped"])
+def test_head_tree_with_the_lookup_trie_equals_ar(tiny, mutation,
+                                                  monkeypatch):
   """Invariants at T = 0 on a ragged batch, for an untrained EAGLE-3 head's
   dynamic tree with the n-gram/retrieval trie merged in (``TreeUnion``): the
   output equals AR token for token (the head's state follows paths that ran
   through the table's nodes), and with a datastore of the AR continuations
   the table's nodes are accepted where the head's are not: fewer steps than
-  the head's tree alone, which a union that dropped the trie would not
-  take."""
+  the head's tree alone. Mutation caught: a union that drops the trie's
+  nodes takes as many steps as the head alone."""
   from specjax.drafters.eagle import EagleDrafter, EagleParams
   from specjax.drafters.union import TreeUnion, UnionParams
   from specjax.heads.base import HeadConfig
@@ -232,11 +234,19 @@ def test_head_tree_with_the_lookup_trie_equals_ar(tiny):
   eagle = EagleDrafter(hcfg, tree_width=2)
   alone, st_alone = _run(params, cfg, engine.DecodeConfig(
       capacity=64, drafter=eagle, num_draft=3, tree_nodes=4), head)
+  if mutation:
+    from specjax.drafters import union
+    real = union.trees.union
+    monkeypatch.setattr(union.trees, "union", lambda first, second, depth: (
+        real(first, second.replace(valid=second.valid.at[:, 1:].set(False)),
+             depth)))
+    jax.clear_caches()
   both, st = _run(params, cfg, engine.DecodeConfig(
       capacity=64, drafter=TreeUnion(eagle, LookupDrafter(), 4), num_draft=3,
       tree_nodes=8), UnionParams(head=head, table=ds))
+  jax.clear_caches()
   assert alone == ar and both == ar
-  assert int(st.num_steps) < int(st_alone.num_steps)
+  assert (int(st.num_steps) < int(st_alone.num_steps)) == (mutation is None)
 
 
 def _word_tokenizer():

@@ -53,25 +53,45 @@ def test_sharded_decoding_equals_one_device_and_is_laid_out():
   cache's kv heads; the EAGLE head's state split by row, its weights whole;
   (3) 3 kv heads (SmolLM2's) do not split over 2: q/k/v replicated, the FFN
   still split. The worker passes host prompts and key: the engine's own
-  layout constraints place the state (mutation: without them the state
-  stays replicated and (2) fails)."""
+  layout constraints place the state
+  (test_without_the_engines_constraints_the_state_is_not_laid_out shows
+  (2) failing without them)."""
   out = _worker()
   _check_runs(out, 5)
   assert out["every_leaf_as_specified"]  # each parameter and state array
-  sp = out["specs"]["data=2,model=4"]
-  expect = {
-      "wqkv": [[32, 128], [32, 32]], "wo": [[64, 32], [16, 32]],
-      "w_gate_up": [[32, 96], [32, 24]], "w_down": [[48, 32], [12, 32]],
-      "embed": [[64, 32], [16, 32]], "attn_norm": [[32], [32]],
-      "cache_k": [[8, 8, 4, 48], [4, 2, 4, 48]],
-      "cache_v": [[8, 8, 48, 4], [4, 2, 48, 4]],
-      "cache_lengths": [[8], [4]], "tokens": [[8, 48], [4, 48]],
-      "num_tokens": [[8], [4]], "head_cache_k": [[8, 8, 4, 48], [4, 8, 4, 48]],
-      "head_pending": [[8, 4, 96], [4, 4, 96]], "head_fc": [[96, 32],
-                                                            [96, 32]]}
-  assert sp == expect
+  assert out["specs"]["data=2,model=4"] == LAID_OUT
   assert out["specs"]["odd_heads"] == {"wqkv": [[32, 60], [32, 60]],
                                        "w_down": [[48, 32], [24, 32]]}
+
+
+@pytest.mark.long
+def test_without_the_engines_constraints_the_state_is_not_laid_out():
+  """Invariant (mutation check): with ``sharding.constrain`` made the
+  identity, the decode state the engine returns is not laid out as
+  ``state_specs`` says (the cache and token buffer stay whole on each
+  device) and the layout check above fails; the parameters, placed by the
+  caller, still are."""
+  out = _worker("--unconstrained")
+  assert not out["every_leaf_as_specified"]
+  sp = out["specs"]["data=2,model=4"]
+  state = ("cache_k", "cache_v", "cache_lengths", "tokens", "num_tokens",
+           "head_cache_k", "head_pending")
+  assert any(sp[name] != LAID_OUT[name] for name in state), sp
+  assert all(sp[name] == LAID_OUT[name] for name in LAID_OUT
+             if name not in state)
+
+
+# Global and per-device shapes on data=2 x model=4 (a ragged batch of 8).
+LAID_OUT = {
+    "wqkv": [[32, 128], [32, 32]], "wo": [[64, 32], [16, 32]],
+    "w_gate_up": [[32, 96], [32, 24]], "w_down": [[48, 32], [12, 32]],
+    "embed": [[64, 32], [16, 32]], "attn_norm": [[32], [32]],
+    "cache_k": [[8, 8, 4, 48], [4, 2, 4, 48]],
+    "cache_v": [[8, 8, 48, 4], [4, 2, 48, 4]],
+    "cache_lengths": [[8], [4]], "tokens": [[8, 48], [4, 48]],
+    "num_tokens": [[8], [4]], "head_cache_k": [[8, 8, 4, 48], [4, 8, 4, 48]],
+    "head_pending": [[8, 4, 96], [4, 4, 96]], "head_fc": [[96, 32],
+                                                          [96, 32]]}
 
 
 @pytest.mark.long

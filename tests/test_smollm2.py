@@ -106,6 +106,12 @@ def _drafter(smollm2, method, tmp_path_factory):
                                progress=False)
     return (TreeUnion(head, LookupDrafter(), 5),
             UnionParams(head=hparams, table=table), 4)
+  if method in ("eagle3_shipped_chain", "medusa_shipped_chain"):
+    from specjax.drafters import methods
+    k = 4 if method.startswith("eagle3") else 3
+    drafter, dparams = methods.build(smollm2, methods.MethodSpec(
+        method.split("_")[0], num_draft=k))
+    return drafter, dparams, k
   if method in ("eagle3_shipped_dynamic_k", "eagle3_shipped_tree"):
     from specjax.drafters import methods
     drafter, dparams = methods.build(smollm2, methods.MethodSpec(
@@ -120,8 +126,34 @@ def ar_rows(smollm2):
   return prompts, runner.generate_ids(smollm2, prompts, max_new_tokens=40)
 
 
-# The first stage keeps a chain and an EAGLE-2 tree; the long stage the rest.
+# The first stage keeps a chain and the shipped heads; the long stage the
+# rest.
 _LONG = pytest.mark.long
+
+# Target tokens per verify forward (all rows' new tokens over all their
+# forwards) of the shipped heads on these prompts at T = 0: as measured
+# (Intel Xeon, family 6 model 167, AVX-512), and the floor a change must
+# keep, measured - 0.15. A feature path shifted by one position falls
+# below every floor (test_a_misaligned_feature_path_falls_below_the_floors:
+# EAGLE-3 chain 1.51, tree 1.96).
+TAU = {"eagle3_shipped_chain": (1.849, 1.70),
+       "eagle3_shipped_dynamic_k": (1.661, 1.51),
+       "eagle3_shipped_tree": (2.450, 2.30),
+       "medusa_shipped_chain": (1.441, 1.29),
+       "medusa_shipped_tree": (1.750, 1.60)}
+
+
+def tau(result) -> float:
+  return (sum(len(r.output_ids) for r in result.rows)
+          / sum(r.target_forwards for r in result.rows))
+
+
+def _speculate(smollm2, prompts, method, tmp_path_factory):
+  drafter, dparams, k = _drafter(smollm2, method, tmp_path_factory)
+  return runner.generate_ids(smollm2, prompts, max_new_tokens=40,
+                             drafter=drafter, num_draft=k,
+                             tree_nodes=8 if method.endswith("_tree") else 0,
+                             drafter_params=dparams)
 
 
 @pytest.mark.parametrize("method", [
@@ -130,7 +162,9 @@ _LONG = pytest.mark.long
     pytest.param("retrieval", marks=_LONG),
     pytest.param("retrieval_tree", marks=_LONG),
     pytest.param("eagle3_untrained", marks=_LONG),
-    pytest.param("medusa_shipped_tree", marks=_LONG),
+    pytest.param("medusa_shipped_chain", marks=_LONG),
+    "medusa_shipped_tree",
+    "eagle3_shipped_chain",
     pytest.param("eagle3_shipped_dynamic_k", marks=_LONG),
     "eagle3_shipped_tree",
     pytest.param("eagle3_shipped_lookup_tree", marks=_LONG)])
@@ -141,18 +175,15 @@ def test_speculative_greedy_identity(smollm2, ar_rows, method,
   with drafts really accepted (fewer target forwards than tokens); an
   untrained EAGLE-3 head (random layer, warm-started LM head) must still be
   exact; the shipped head with dynamic K drafts on some steps and scores the
-  newest token alone on others; n-gram tries and EAGLE-2 trees of 8 nodes
+  newest token alone on others; the shipped heads keep their tokens per
+  forward above the floors in ``TAU``; n-gram tries and EAGLE-2 trees of 8 nodes
   run the tree step, and so do retrieval tries, the shipped Medusa
   head's static tree over its depths' top-k, and the shipped EAGLE-3 head's
   static 3-node tree with 5 nodes of the n-gram/retrieval trie merged in.
   (Layer-skip runs through the draft-model code path with dynamic K; the
   target as its own draft model is checked on the tiny model.)"""
   prompts, ar = ar_rows
-  drafter, dparams, k = _drafter(smollm2, method, tmp_path_factory)
-  spec = runner.generate_ids(smollm2, prompts, max_new_tokens=40,
-                             drafter=drafter, num_draft=k,
-                             tree_nodes=8 if method.endswith("_tree") else 0,
-                             drafter_params=dparams)
+  spec = _speculate(smollm2, prompts, method, tmp_path_factory)
   for a, s in zip(ar.rows, spec.rows):
     assert s.output_ids == a.output_ids
     assert s.stop_reason == a.stop_reason
@@ -162,6 +193,35 @@ def test_speculative_greedy_identity(smollm2, ar_rows, method,
   assert sum(sum(r.accepted_at) for r in spec.rows) > 0
   if method == "eagle3_shipped_dynamic_k":
     assert 0 < spec.num_wide_steps < spec.num_steps
+  if method in TAU:  # the shipped heads keep their acceptance
+    assert tau(spec) >= TAU[method][1], (tau(spec), TAU[method])
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("method", ["eagle3_shipped_chain",
+                                    "eagle3_shipped_tree"])
+def test_a_misaligned_feature_path_falls_below_the_floors(
+    smollm2, ar_rows, method, tmp_path_factory, monkeypatch):
+  """Invariant (mutation check): when the EAGLE head is handed each
+  verified block's features one position late (a misaligned feature path:
+  exact, since output = AR, but the head reads the wrong hidden state),
+  tokens per forward fall below the floor the greedy-identity test keeps."""
+  import jax
+  import jax.numpy as jnp
+  from specjax.drafters.eagle import EagleDrafter
+  commit = EagleDrafter.commit
+  monkeypatch.setattr(EagleDrafter, "commit", lambda self, params, state, t,
+                      n, features=None: commit(self, params, state, t, n,
+                                               jnp.roll(features, 1, 1)))
+  monkeypatch.setattr(runner, "_EXECUTABLES", {})
+  jax.clear_caches()
+  try:
+    spec = _speculate(smollm2, ar_rows[0], method, tmp_path_factory)
+  finally:
+    jax.clear_caches()
+  assert [r.output_ids for r in spec.rows] == [r.output_ids
+                                               for r in ar_rows[1].rows]
+  assert tau(spec) < TAU[method][1], (tau(spec), TAU[method])
 
 
 @pytest.mark.long

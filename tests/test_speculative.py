@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from specjax.core import bucketing, engine
+from specjax.core import tree as trees
 from specjax.core.sampling import SamplingParams, warp
 from specjax.drafters import NGramDrafter
 from specjax.models.decoder import Decoder
@@ -132,6 +133,31 @@ def test_eos_and_budget_inside_an_emitted_block(tiny, how):
         capacity=64, eos_ids=(eos,), **NGRAM[how]), max_new=max_new)
     assert spec == ar
     assert all(len(o) <= max_new for o in spec)
+
+
+def test_eos_inside_an_accepted_block_is_cut(tiny):
+  """Invariant (T = 0, the target as its own draft model, so every draft
+  is accepted): with EOS set to the token AR emits third -- the second of
+  the first verify's three accepted drafts -- each row stops there, in that
+  first verify step, with AR's output up to and including the EOS; the
+  accepted tokens after it in the block are dropped."""
+  from specjax.drafters import DraftModelDrafter
+  cfg, params = tiny
+  free, _ = _run(params, cfg, engine.DecodeConfig(capacity=64), max_new=12)
+  row = next(b for b, o in enumerate(free) if o[2] not in o[:2])
+  eos = free[row][2]
+  dcfg = lambda **kw: engine.DecodeConfig(
+      capacity=64, eos_ids=(eos,), drafter=DraftModelDrafter(Decoder(cfg)),
+      num_draft=3, **kw)
+  prompt_BT, lengths = bucketing.pad_prompts(PROMPTS)
+  st = engine.generate_jit(params, prompt_BT, lengths, jax.random.key(0),
+                           np.int32(12), target=Decoder(cfg), dcfg=dcfg(),
+                           drafter_params=params)
+  out = st.tokens[row, lengths[row]:st.num_tokens[row]].tolist()
+  assert out == free[row][:3]
+  assert int(st.stop_reason[row]) == engine.STOP_EOS
+  assert int(st.num_forwards[row]) == 1  # the prefill's sample + 1 verify
+  assert np.asarray(st.accepted_at)[row].tolist() == [1, 1, 1]
 
 
 @both
@@ -289,12 +315,22 @@ def test_dynamic_k_keeps_sampling_exact(tiny, tiny_draft, monkeypatch):
   assert stat > crit, (stat, crit)
 
 
-def test_tree_logits_equal_each_path_run_alone(tiny):
+TREE_MUTATIONS = {  # what a tree forward could get wrong
+    "causal_mask": lambda anc, lengths: (
+        jnp.tril(jnp.ones_like(anc)), trees.positions(lengths, anc)),
+    "index_positions": lambda anc, lengths: (
+        anc, lengths[:, None] + jnp.arange(anc.shape[1])[None, :]),
+    "no_root_column": lambda anc, lengths: (
+        anc.at[:, 1:, 0].set(False), trees.positions(lengths, anc)),
+}
+
+
+@pytest.mark.parametrize("mutation", [None] + sorted(TREE_MUTATIONS))
+def test_tree_logits_equal_each_path_run_alone(tiny, mutation):
   """Invariant: one forward over a branching tree (depth positions, ancestor
   mask, on top of a ragged cached prefix) gives every node the logits of its
-  root path run alone (f32, 1e-5) -- a causal mask, index positions or a
-  missing root column would break it."""
-  from specjax.core import tree as trees
+  root path run alone (f32, 1e-5). Mutations caught: a causal mask, index
+  positions, a mask without the root column."""
   from specjax.models import decoder
   cfg, params = tiny
   forward = jax.jit(decoder.forward, static_argnums=1)
@@ -307,8 +343,10 @@ def test_tree_logits_equal_each_path_run_alone(tiny):
                                                   14]])
   valid = jnp.ones((2, 8), bool)
   anc = trees.ancestors(parents, valid)
-  out = forward(params, cfg, tokens, cache,
-                positions_BT=trees.positions(cache.lengths, anc), mask_BTT=anc)
+  mask, positions = (anc, trees.positions(cache.lengths, anc)) if (
+      mutation is None) else TREE_MUTATIONS[mutation](anc, cache.lengths)
+  out = forward(params, cfg, tokens, cache, positions_BT=positions,
+                mask_BTT=mask)
   # Every node's root path as its own row, right-padded (the causal mask
   # keeps the padding out of the last real position): one plain forward.
   seqs = [prompts[b][:-1] + [int(tokens[b, j]) for j in
@@ -319,8 +357,9 @@ def test_tree_logits_equal_each_path_run_alone(tiny):
                                             for s in seqs]),
                   decoder.init_cache(cfg, len(seqs), 32)).logits
   last = jnp.asarray([len(s) - 1 for s in seqs])
-  np.testing.assert_allclose(out.logits.reshape(16, -1),
-                             alone[jnp.arange(16), last], atol=1e-5)
+  error = np.abs(np.asarray(out.logits.reshape(16, -1)
+                            - alone[jnp.arange(16), last])).max()
+  assert (error < 1e-5) == (mutation is None), error
 
 
 def test_a_spine_tree_is_the_chain(tiny):
@@ -350,7 +389,6 @@ def test_tree_steps_keep_sampling_exact(tiny, monkeypatch):
   positions and mask at T > 0. Mutation: RoPE positions from the node's
   index in the block instead of its depth (a bug peers shipped) must fail
   the same check."""
-  from specjax.core import tree as trees
   from specjax.models import decoder
   cfg, params = tiny
   n, V, sp = 50_000, cfg.vocab_size, SamplingParams(0.6)

@@ -230,7 +230,6 @@ def test_sampled_tree_verification_is_exact():
   assert (accepted >= 2).mean() > 0.05 and (accepted == 0).mean() > 0.1
 
 
-@pytest.mark.long
 @pytest.mark.parametrize("mutation", ["own_draw", "duplicates_kept",
                                       "shared_key"])
 def test_verification_check_catches_mutations(mutation, monkeypatch):

@@ -147,7 +147,6 @@ def test_with_warping(sp):
   assert stat < crit, (stat, crit)
 
 
-@pytest.mark.long
 @pytest.mark.parametrize("mutation", ["correction_from_q", "accept_p_over_q"])
 def test_check_catches_wrong_verifiers(mutation, monkeypatch):
   """Invariant (mutation check): the same chi-square check FAILS for a
@@ -193,3 +192,93 @@ def test_zero_probability_cases():
   acc = verify.verify_chain(jnp.full((1000, 1), 4, jnp.int32), p, q,
                             jnp.ones((1000,), jnp.int32), jax.random.key(2))
   assert (np.asarray(acc.num_accepted) == 1).all()  # P[0, 4] == 0 < Q[0, 4]
+
+
+# Full depth: a Markov target q(b | a) and a Markov draft p(b | a) over three
+# tokens, K = 4, every row drafting 0..4 tokens at random each step.
+V3, K4, DEPTH = 3, 4, 5
+Q_MARKOV = np.array([[0.6, 0.3, 0.1], [0.2, 0.5, 0.3], [0.3, 0.1, 0.6]])
+P_MARKOV = np.array([[0.5, 0.3, 0.2], [0.3, 0.5, 0.2], [0.2, 0.2, 0.6]])
+
+
+def _markov_rows(n=N, seed=0):
+  """The first DEPTH tokens n rows emit after token 0 by drafting (up to K4
+  drafts per step, ragged) and verifying until each has DEPTH tokens; and
+  how many rows emitted all K4 + 1 tokens of a step at least once."""
+  rng = np.random.default_rng(seed)
+  step = jax.jit(verify.verify_chain)
+  out = np.zeros((n, 0), np.int64)
+  last = lengths = np.zeros(n, np.int64)
+  full = np.zeros(n, bool)
+  for i in range(DEPTH):
+    drafts = np.zeros((n, K4), np.int64)
+    prev = last
+    for j in range(K4):  # draft j ~ p(. | the token before it)
+      u = rng.random(n)[:, None]
+      drafts[:, j] = (u > np.cumsum(P_MARKOV[prev], 1)).sum(1)
+      prev = drafts[:, j]
+    before = np.concatenate([last[:, None], drafts], 1)  # [n, K4 + 1]
+    num = rng.integers(0, K4 + 1, n)
+    res = step(jnp.asarray(drafts, jnp.int32),
+               jnp.asarray(P_MARKOV[before[:, :K4]], jnp.float32),
+               jnp.asarray(Q_MARKOV[before], jnp.float32),
+               jnp.asarray(num, jnp.int32), jax.random.key(100 + i))
+    emitted, toks = np.asarray(res.num_emitted), np.asarray(res.tokens)
+    full |= (num == K4) & (emitted == K4 + 1)
+    # Append each row's emitted tokens after its own.
+    grown = np.zeros((n, out.shape[1] + K4 + 1), np.int64)
+    grown[:, :out.shape[1]] = out
+    cols = lengths[:, None] + np.arange(K4 + 1)[None]
+    keep = np.arange(K4 + 1)[None] < emitted[:, None]
+    rows = np.broadcast_to(np.arange(n)[:, None], cols.shape)
+    grown[rows[keep], cols[keep]] = toks[keep]
+    out, lengths = grown, lengths + emitted
+    last = out[np.arange(n), lengths - 1]
+  assert (lengths >= DEPTH).all()
+  return out[:, :DEPTH], full.sum()
+
+
+def _markov_joint():
+  joint = np.ones([V3] * DEPTH)
+  for cell in np.ndindex(*joint.shape):
+    prev = 0
+    for t in cell:
+      joint[cell] *= Q_MARKOV[prev, t]
+      prev = t
+  return joint
+
+
+def test_full_depth_chain_with_bonus():
+  """Invariant: over whole K = 4 chains with ragged num_draft (0..4 per row
+  and step), the first five emitted tokens -- accepted drafts at every
+  position, corrections, and the bonus after four accepted drafts -- follow
+  the Markov target's joint law over all 243 cells (chi-square, 99.9%), and
+  thousands of rows did emit a full K + 1 block."""
+  tokens, full = _markov_rows()
+  stat, crit = _chi2_ok(np.ravel_multi_index(tokens.T, (V3,) * DEPTH),
+                        _markov_joint())
+  assert stat < crit, (stat, crit)
+  assert full > 1000, full
+
+
+@pytest.mark.parametrize("mutation", ["draft_verified_one_position_early",
+                                      "bonus_from_the_last_draft_position"])
+def test_full_depth_check_catches_wrong_positions(mutation, monkeypatch):
+  """Invariant (mutation check): the full-depth check FAILS when draft i is
+  verified against position i - 1's target distribution, and when the bonus
+  is drawn from the last draft's position instead of the bonus position."""
+  if mutation == "draft_verified_one_position_early":
+    monkeypatch.setattr(verify, "_draft_targets", lambda q, K: jnp.concatenate(
+        [q[:, :1], q[:, :K - 1]], 1))
+  else:
+    from specjax.core.rows import at_rows
+    monkeypatch.setattr(verify, "_extra_target", lambda q, num_acc: at_rows(
+        q, jnp.minimum(num_acc, q.shape[1] - 2)))
+  jax.clear_caches()
+  try:
+    tokens, _ = _markov_rows()
+  finally:
+    jax.clear_caches()
+  stat, crit = _chi2_ok(np.ravel_multi_index(tokens.T, (V3,) * DEPTH),
+                        _markov_joint())
+  assert stat > crit, (stat, crit)

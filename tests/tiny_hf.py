@@ -34,6 +34,15 @@ TINY_CONFIGS = {
                           original_max_position_embeddings=8)),
 }
 
+# Sixteen tokens: the exact joint law of four sampled tokens has 16^4 cells
+# (tests/test_exactness.py).
+SAMPLING_CONFIGS = {
+    "llama_v16": lambda: transformers.LlamaConfig(
+        vocab_size=16, hidden_size=16, intermediate_size=24,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        tie_word_embeddings=True, max_position_embeddings=64),
+}
+
 
 # Every other architecture specjax reads, each with what makes it differ
 # bound: windows shorter than the tests' sequences, soft-caps below the
@@ -124,7 +133,8 @@ GGUF_CONFIGS = {
 def make_tiny(name: str, directory: pathlib.Path, seed: int = 0):
   """Builds, randomizes and saves a tiny model; returns the torch model."""
   torch.manual_seed(seed)
-  config = {**TINY_CONFIGS, **ARCH_CONFIGS, **GGUF_CONFIGS}[name]()
+  config = {**TINY_CONFIGS, **SAMPLING_CONFIGS, **ARCH_CONFIGS,
+            **GGUF_CONFIGS}[name]()
   model = transformers.AutoModelForCausalLM.from_config(config).eval()
   with torch.no_grad():  # default init leaves norms at 1 and biases at 0
     for p in model.parameters():

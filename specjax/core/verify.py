@@ -54,6 +54,18 @@ def _residual(q_BV, p_BV):
   return jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), q_BV)
 
 
+def _draft_targets(q_BK1V, K):
+  """The target's distribution each draft is verified against: position i
+  for draft i."""
+  return q_BK1V[:, :K]
+
+
+def _extra_target(q_BK1V, num_acc_B):
+  """The target's distribution the one extra token comes from: at position
+  ``num_acc`` (the bonus position ``num_draft`` when all were accepted)."""
+  return at_rows(q_BK1V, num_acc_B)
+
+
 def verify_chain(draft_BK: jax.Array, draft_probs_BKV: Optional[jax.Array],
                  target_probs_BK1V: jax.Array, num_draft_B: jax.Array,
                  key: jax.Array, *, greedy: bool = False) -> ChainResult:
@@ -77,12 +89,14 @@ def verify_chain(draft_BK: jax.Array, draft_probs_BKV: Optional[jax.Array],
   B, K = draft_BK.shape
   q = target_probs_BK1V.astype(jnp.float32)
   draft_BK = draft_BK.astype(jnp.int32)
-  q_draft_BK = jnp.take_along_axis(q[:, :K], draft_BK[..., None], -1)[..., 0]
+  q_drafts_BKV = _draft_targets(q, K)
+  q_draft_BK = jnp.take_along_axis(q_drafts_BKV, draft_BK[..., None],
+                                   -1)[..., 0]
   valid_BK = jnp.arange(K)[None, :] < num_draft_B[:, None]
   key_accept, key_fix = jax.random.split(key)
 
   if greedy:
-    accept_BK = draft_BK == jnp.argmax(q[:, :K], axis=-1)
+    accept_BK = draft_BK == jnp.argmax(q_drafts_BKV, axis=-1)
   else:
     if draft_probs_BKV is None:
       p_draft_BK = jnp.ones((B, K), jnp.float32)
@@ -96,7 +110,7 @@ def verify_chain(draft_BK: jax.Array, draft_probs_BKV: Optional[jax.Array],
   num_acc_B = num_acc_B.astype(jnp.int32)
 
   # Distribution of the one extra token, at position num_acc.
-  q_fix_BV = at_rows(q, num_acc_B)
+  q_fix_BV = _extra_target(q, num_acc_B)
   rejected_B = num_acc_B < num_draft_B
   if greedy:
     extra_B = jnp.argmax(q_fix_BV, axis=-1).astype(jnp.int32)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import pathlib
 import sys
 import time
@@ -429,8 +430,8 @@ def train(cfg: TrainConfig, workdir: str, *, model=None,
   lead = jax.process_index() == 0  # the process that writes files
   work.mkdir(parents=True, exist_ok=True)
   if lead:
-    (work / "config.json").write_text(json.dumps(dataclasses.asdict(cfg),
-                                                 indent=1))
+    _write_atomic(work / "config.json",
+                  json.dumps(dataclasses.asdict(cfg), indent=1))
   s = setup(cfg, model=model, examples=examples, progress=progress)
   state = {"params": s.params, "opt": optimizer(cfg, s.params).init(s.params)}
   mesh = s.model.mesh
@@ -467,7 +468,7 @@ def train(cfg: TrainConfig, workdir: str, *, model=None,
     new, loss, m, gnorm = step_fn(state, batch, embed_VD,
                                   np.int32(cfg.steps))
     loss = float(sharding.to_host(loss))  # the one sync a step needs
-    if not np.isfinite(loss):
+    if not applies(loss):
       end, stopped = step, f"non-finite loss at step {step + 1}"
       print(f"specjax: warning: {stopped}; the head of step {step} is kept",
             file=sys.stderr)
@@ -525,6 +526,11 @@ def _batches(cfg: TrainConfig, s: Setup, work: pathlib.Path, progress: bool):
                                                       train_ex, cap)
 
 
+def applies(loss: float) -> bool:
+  """Whether a step's update is kept: only when its loss is finite."""
+  return bool(np.isfinite(loss))
+
+
 def _truncate_metrics(path: pathlib.Path, step: int) -> None:
   """Keeps the metric lines up to the restored step; the lines past it
   (they will be redone) and torn ones (a kill mid-write) move to
@@ -542,6 +548,31 @@ def _truncate_metrics(path: pathlib.Path, step: int) -> None:
            if l.strip()]
   dropped = [l for l in lines if not kept(l)]
   if dropped:
-    with open(path.with_name("metrics.dropped.jsonl"), "a") as f:
-      f.write("".join(l + "\n" for l in dropped))
-  path.write_text("".join(l + "\n" for l in lines if kept(l)))
+    _append_lines(path.with_name("metrics.dropped.jsonl"), dropped)
+  # Replaced, not rewritten in place: a kill mid-rewrite would lose the
+  # lines it keeps (tests/test_kills.py).
+  _write_atomic(path, "".join(l + "\n" for l in lines if kept(l)))
+
+
+def _append_lines(path: pathlib.Path, lines: list[str]) -> None:
+  """Appends ``lines``, first ending a torn last line (a kill mid-append)
+  so that the first of them stays a line of its own."""
+  text = "".join(l + "\n" for l in lines).encode()
+  with open(path, "ab+") as f:
+    if f.seek(0, 2):
+      f.seek(-1, 2)
+      if f.read(1) != b"\n":
+        text = b"\n" + text
+    f.write(text)
+
+
+def _write_atomic(path: pathlib.Path, text: str) -> None:
+  """``text`` into ``path`` through a synced temporary beside it and
+  ``os.replace``: a kill mid-write leaves the old file whole, never a torn
+  one."""
+  tmp = path.with_name(path.name + ".tmp")
+  with open(tmp, "w") as f:
+    f.write(text)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)

@@ -1,0 +1,276 @@
+"""Sampled speculative decoding through the engine follows the target exactly,
+judged by a reference nobody here wrote.
+
+The reference is transformers: its logits on a tiny random Llama (V = 16,
+``tests.tiny_hf.SAMPLING_CONFIGS``) and its own warpers (temperature, then
+top-k, then top-p) give the exact joint law of the first four generated
+tokens. 50,000 rows of one prompt go through ``engine.generate`` at T = 0.7,
+top-k 6, top-p 0.9 (both cut: the warped supports hold 2 to 6 tokens) with a
+drafter at K = 2: token 1 is the prefill's sample, tokens 2 and 3 the first
+verify's drafts or its correction, token 4 that verify's bonus after both
+drafts were accepted, or a later step's token. The check is a chi-square
+over the cells expecting >= 5 draws (the rest pooled into one cell), passing
+below the 99.9% critical value; a draw outside the warped support fails
+outright. Each drafter must also really have drafted, had drafts accepted
+and emitted bonuses (the check is not vacuous).
+
+Fast stage: a sampled chain whose draft vocabulary is smaller than V (an
+EAGLE-3 head, Vd = 10), a deterministic chain (n-gram), a model tree (EAGLE-2
+dynamic) and a static tree (the head's 2x2). Long stage: the other drafters
+(draft model, layer-skip, Medusa chain and tree, retrieval, the head's tree
+merged with the lookup trie) and the mutations the check must catch.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.stats
+import torch
+from transformers.generation import logits_process
+
+from specjax.core import engine
+from specjax.core.sampling import SamplingParams
+from specjax.models.decoder import Decoder
+from specjax.models.hf_loader import load_hf
+from tests.tiny_hf import make_tiny
+
+N = 50_000
+SAMPLING = SamplingParams(0.7, top_k=6, top_p=0.9)
+K = 2
+NEW = 4  # tokens checked: the prefill's sample and one full verify block
+VD = 10  # the EAGLE head's draft vocabulary, < V
+# Every token of the vocabulary once, then a repeat: the n-gram drafter
+# finds a continuation after any first token.
+PROMPT = [2, 11, 3, 10, 0, 4, 7, 5, 14, 12, 6, 9, 13, 8, 1, 15, 2, 11, 3, 10,
+          0]
+
+
+def _reference_warp(logits):
+  """transformers' warpers, in the order generate applies them."""
+  scores = torch.as_tensor(logits)
+  ids = torch.zeros((scores.shape[0], 1), dtype=torch.long)
+  for warper in (logits_process.TemperatureLogitsWarper(SAMPLING.temperature),
+                 logits_process.TopKLogitsWarper(SAMPLING.top_k),
+                 logits_process.TopPLogitsWarper(SAMPLING.top_p)):
+    scores = warper(ids, scores)
+  return torch.softmax(scores.double(), -1).numpy()
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+  """(config, params, expected) with expected[a, b, c, d] the probability
+  that the first four generated tokens are a, b, c, d: one transformers
+  forward over the prompt followed by every three tokens."""
+  d = tmp_path_factory.mktemp("v16")
+  model = make_tiny("llama_v16", d, seed=0)
+  cfg, params = load_hf(d)
+  V, L = cfg.vocab_size, len(PROMPT)
+  grid = np.stack(np.meshgrid(*[np.arange(V)] * 3, indexing="ij"), -1)
+  seqs = np.concatenate([np.tile(PROMPT, (V ** 3, 1)),
+                         grid.reshape(-1, 3)], 1)
+  with torch.no_grad():
+    logits = model(torch.as_tensor(seqs)).logits[:, L - 1:].numpy()
+  q = _reference_warp(logits.reshape(-1, V)).reshape(V, V, V, 4, V)
+  expected = (q[0, 0, 0, 0][:, None, None, None]
+              * q[:, 0, 0, 1][:, :, None, None]
+              * q[:, :, 0, 2][:, :, :, None]
+              * q[:, :, :, 3])
+  return cfg, params, expected
+
+
+def generate(target, drafter=None, drafter_params=None, seed=0, **kw):
+  """The first NEW generated tokens of N rows as one cell index each, and
+  the final state."""
+  cfg, params, _ = target
+  L, V = len(PROMPT), cfg.vocab_size
+  dcfg = engine.DecodeConfig(capacity=32, sampling=SAMPLING, drafter=drafter,
+                             num_draft=K if drafter else 0, **kw)
+  st = engine.generate_jit(params, jnp.tile(jnp.asarray([PROMPT], jnp.int32),
+                                            (N, 1)),
+                           jnp.full((N,), L, jnp.int32), jax.random.key(seed),
+                           np.int32(NEW), target=Decoder(cfg), dcfg=dcfg,
+                           drafter_params=drafter_params)
+  assert (np.asarray(st.num_tokens) == L + NEW).all()
+  tokens = np.asarray(st.tokens[:, L:L + NEW])
+  return np.ravel_multi_index(tokens.T, (V,) * NEW), st
+
+
+def chi_square(cells, expected):
+  """(statistic, 99.9% critical value) over the cells expecting >= 5 draws,
+  the rest pooled; inf when a draw lands where the target has no mass."""
+  counts = np.bincount(cells, minlength=expected.size)
+  exp = expected.ravel() * cells.size
+  if counts[exp == 0].any():
+    return np.inf, 0.0
+  big = exp >= 5
+  obs, exp_ = counts[big], exp[big]
+  if (~big & (exp > 0)).any():
+    obs = np.append(obs, counts[~big].sum())
+    exp_ = np.append(exp_, exp[~big].sum())
+  stat = ((obs - exp_) ** 2 / exp_).sum()
+  return stat, scipy.stats.chi2.ppf(0.999, len(obs) - 1)
+
+
+def _head(target, variant="eagle3", **overrides):
+  """An untrained head over the VD most frequent ids of a random stream
+  (ids outside it are never drafted), warm-started from the target."""
+  from specjax.heads.base import HeadConfig
+  from specjax.heads.vocab import build_draft_vocab
+  from specjax.training.train import init_head
+  cfg, params, _ = target
+  V = cfg.vocab_size
+  taps = dict(taps=(0, 1, 2)) if variant == "eagle3" else {}  # L = 2
+  hcfg = HeadConfig.for_target(cfg, VD, variant=variant, **taps, **overrides)
+  stream = np.random.default_rng(1).zipf(1.5, 400) % V
+  vocab = build_draft_vocab([stream], V, VD)
+  head = init_head(jax.random.key(2), hcfg, Decoder(cfg), params, vocab)
+  return hcfg, head, jnp.asarray(vocab.ids)
+
+
+def _eagle(target):
+  from specjax.drafters.eagle import EagleParams
+  hcfg, head, ids = _head(target)
+  cfg, params, _ = target
+  return hcfg, EagleParams(head=head, draft_ids=ids,
+                           embed=Decoder(cfg).embedding(params))
+
+
+def fast_drafters(target):
+  """{name: (drafter, drafter params, DecodeConfig kwargs)}."""
+  from specjax.core import tree
+  from specjax.drafters import NGramDrafter
+  from specjax.drafters.eagle import EagleDrafter
+  hcfg, eagle = _eagle(target)
+  return {
+      "eagle3_chain_small_vocab": (EagleDrafter(hcfg), eagle, {}),
+      "ngram_chain": (NGramDrafter(), None, {}),
+      "eagle2_dynamic_tree": (EagleDrafter(hcfg, tree_width=2), eagle,
+                              dict(tree_nodes=4)),
+      "eagle_static_tree_2x2": (EagleDrafter(hcfg, tree_shape=tuple(
+          tree.parse_shape("2x2"))), eagle, dict(tree_nodes=6)),
+  }
+
+
+def long_drafters(target, tmp_path_factory):
+  from specjax.core import tree
+  from specjax.drafters import (DraftModelDrafter, LayerSkipDrafter,
+                                LookupDrafter, RetrievalDrafter)
+  from specjax.drafters.eagle import EagleDrafter
+  from specjax.drafters.medusa import MedusaDrafter, MedusaParams
+  from specjax.drafters.retrieval import build_datastore
+  from specjax.drafters.union import TreeUnion, UnionParams
+  cfg, params, _ = target
+  d = tmp_path_factory.mktemp("v16_draft")
+  make_tiny("llama_v16", d, seed=1)
+  draft_cfg, draft_params = load_hf(d)
+  mcfg, mhead, ids = _head(target, "medusa", medusa_heads=K)
+  medusa = MedusaParams(head=mhead, draft_ids=ids)
+  rng = np.random.default_rng(3)
+  store = jax.device_put(build_datastore(
+      [PROMPT + rng.integers(0, cfg.vocab_size, 12).tolist()
+       for _ in range(20)], num_slots=1024))
+  hcfg, eagle = _eagle(target)
+  return {
+      "draft_model_chain": (DraftModelDrafter(Decoder(draft_cfg)),
+                            draft_params, {}),
+      "layer_skip_chain": (LayerSkipDrafter.from_target(Decoder(cfg), 1),
+                           params, {}),
+      "medusa_chain": (MedusaDrafter(mcfg), medusa, {}),
+      "medusa_static_tree_2x2": (MedusaDrafter(mcfg, tree_shape=tuple(
+          tree.parse_shape("2x2"))), medusa, dict(tree_nodes=6)),
+      "retrieval_trie": (RetrievalDrafter(), store, dict(tree_nodes=4)),
+      "eagle_tree_with_lookup_trie": (
+          TreeUnion(EagleDrafter(hcfg, tree_width=2), LookupDrafter(), 2),
+          UnionParams(head=eagle, table=store), dict(tree_nodes=5)),
+  }
+
+
+def _check(target, drafter, dparams, kw):
+  cells, st = generate(target, drafter, dparams, **kw)
+  stat, crit = chi_square(cells, target[2])
+  assert stat < crit, (stat, crit)
+  accepted = np.asarray(st.accepted_at)  # [N, K]: accepted at each depth
+  assert (np.asarray(st.num_drafted) > 0).mean() > 0.9
+  assert (accepted[:, K - 1] > 0).mean() > 0.002, accepted.mean(0)
+  return stat, crit
+
+
+def test_plain_sampling_is_the_reference(target):
+  """Invariant: AR decoding under the same warping passes the same check
+  (the reference and the check agree with specjax's sampler)."""
+  cells, _ = generate(target)
+  stat, crit = chi_square(cells, target[2])
+  assert stat < crit, (stat, crit)
+
+
+@pytest.mark.parametrize("name", ["eagle3_chain_small_vocab", "ngram_chain",
+                                  "eagle2_dynamic_tree",
+                                  "eagle_static_tree_2x2"])
+def test_fast_drafters_sample_the_target_exactly(target, name):
+  """Invariant: each drafter's first four generated tokens follow
+  transformers' warped joint law (module doc)."""
+  _check(target, *fast_drafters(target)[name])
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("name", ["draft_model_chain", "layer_skip_chain",
+                                  "medusa_chain", "medusa_static_tree_2x2",
+                                  "retrieval_trie",
+                                  "eagle_tree_with_lookup_trie"])
+def test_other_drafters_sample_the_target_exactly(target, name,
+                                                  tmp_path_factory):
+  """Invariant: as the fast test, for every other kind of drafter."""
+  _check(target, *long_drafters(target, tmp_path_factory)[name])
+
+
+def _report_raw_draft_probs(monkeypatch):
+  """A chain drafter that draws from the warped distribution but reports
+  the unwarped softmax as the distribution it drew from."""
+  from specjax.drafters import chain
+  from specjax.core import sampling
+  monkeypatch.setattr(chain, "warp", lambda logits, sp: jax.nn.softmax(logits))
+  monkeypatch.setattr(chain, "draw", lambda p, sp, key: sampling.draw(
+      sampling.warp(jnp.log(p), sp), sp, key))
+
+
+def _verify_against_unwarped_target(monkeypatch):
+  """Verification against the target at the temperature alone (top-k and
+  top-p dropped), while the prefill still samples the warped target."""
+  from specjax.core import sampling
+  monkeypatch.setattr(engine, "warp", lambda logits, sp: sampling.warp(
+      logits, SamplingParams(sp.temperature)))
+
+
+def _index_positions(monkeypatch):
+  """RoPE positions from a node's index in the block, not its depth."""
+  from specjax.core import tree
+  monkeypatch.setattr(tree, "positions", lambda lengths_B, anc_BMM: (
+      lengths_B[:, None] + jnp.arange(anc_BMM.shape[1])[None, :]))
+
+
+MUTATIONS = {  # name: (drafter, mutation)
+    "draft_probs_reported_unwarped": ("eagle3_chain_small_vocab",
+                                      _report_raw_draft_probs),
+    "target_unwarped_in_verify": ("ngram_chain",
+                                  _verify_against_unwarped_target),
+    "tree_positions_by_index": ("eagle2_dynamic_tree", _index_positions),
+}
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("mutation", sorted(MUTATIONS))
+def test_the_check_catches_mutations(target, mutation, monkeypatch):
+  """Invariant (mutation check): the same check FAILS for a drafter that
+  reports a distribution other than the one it drew from, for a verifier
+  that drops top-k/top-p, and for tree nodes at index positions."""
+  name, mutate = MUTATIONS[mutation]
+  drafter, dparams, kw = fast_drafters(target)[name]
+  mutate(monkeypatch)
+  jax.clear_caches()  # re-trace with the mutation in place
+  try:
+    cells, _ = generate(target, drafter, dparams, **kw)
+  finally:
+    jax.clear_caches()  # never let a mutated trace serve another test
+  stat, crit = chi_square(cells, target[2])
+  assert stat > crit, (stat, crit)
