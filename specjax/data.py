@@ -74,6 +74,17 @@ def sharegpt_conversations(limit: Optional[int] = None
       yield turns
 
 
+def check_text(text: str, where: str) -> str:
+  """``text`` if it is Unicode text (UTF-8 encodable); a lone surrogate
+  (a ``\\udXXX`` escape in JSON, undecodable bytes in argv) is refused."""
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError as e:
+    raise DataError(f"{where} is not valid UTF-8 text (character "
+                    f"{e.start}: {text[e.start]!r})") from None
+  return text
+
+
 def prompts_from_jsonl(path: str) -> list[str]:
   """``{"prompt": str}`` per line; blank lines skipped; errors name the line."""
   try:
@@ -94,7 +105,7 @@ def prompts_from_jsonl(path: str) -> list[str]:
       raise DataError(f'{path}:{i}: "prompt" must be a string')
     if not prompt.strip():
       raise DataError(f"{path}:{i}: empty prompt")
-    prompts.append(prompt)
+    prompts.append(check_text(prompt, f"{path}:{i}: the prompt"))
   if not prompts:
     raise DataError(f"prompt file {path!r} has no prompts")
   return prompts

@@ -130,3 +130,21 @@ def test_results_summary_keeps_the_newest_row_of_each_method():
                   (5, 0, "mtbench", 1.0): "old",
                   (5, 0, "humaneval", 0.0): "old",
                   (5, 8, "mtbench", 0.0): "old"}
+
+
+def test_a_journal_of_garbage_is_skipped_line_by_line(tmp_path):
+  """Invariant: a journal holding random bytes (not UTF-8), JSON nested
+  100,000 deep, a JSON list and a record of the wrong shape is read
+  without an error, and the one good record in it is read back whole."""
+  from specjax.core import runner
+  row = runner.RowResult(prompt_ids=[1], output_ids=[2, 3],
+                         stop_reason="length")
+  res = runner.BatchResult(rows=[row], wall_s=1.0, compile_s=0.0,
+                           num_steps=2)
+  journal = tmp_path / "bench.journal"
+  journal.write_bytes(np.random.default_rng(0).bytes(4096) + b"\n"
+                      + b"[" * 100_000 + b"\n[1, 2]\n" + b'{"key": 5}\n')
+  bench._append_journal(journal, "k", 0, 0, [res, res])
+  done = bench._read_journal(journal, "k", 2)
+  assert list(done) == [(0, 0)]
+  assert done[0, 0][1].rows[0].output_ids == [2, 3]

@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 _RUN = ("import sys; import specjax.assets as a; {patch}; "
@@ -144,7 +145,7 @@ def _load_each_model_once(monkeypatch):
     (("tune", "--batch-size", "0"), ["batch size"]),
     (("tune", "--latency-target", "-3"), ["latency target"]),
     (("train", "--config", "/no/such.py", "--workdir", "/tmp/x"),
-     ["cannot load --config"]),
+     ["--config '/no/such.py' is not a file"]),
     (("train", "--config", "experiments/eagle3_smollm2.py", "--workdir",
       "/tmp/x", "--set", "stepz=3"), ["--set 'stepz=3'"]),
     (("train", "--config", "experiments/eagle3_smollm2.py", "--workdir",
@@ -169,10 +170,59 @@ def _load_each_model_once(monkeypatch):
             ("num_conversations=0", "num_conversations must be >= 1"),
             ("heldout=-1", "heldout must be >= 0"))),
     (("tune", "--latency-target", "nan"), ["latency target", "nan"]),
+    (("tune", "--batch-size", "100000"),
+     ["100000 rows x 512 slots need", "GiB is free"]),
+    ((*GEN, "--prompt", "a\udcffb"), ["--prompt is not valid UTF-8",
+                                      "'\\udcff'"]),
+    (("demo", "--max-new-tokens", "100000"),
+     ["--max-new-tokens 100000 is above the demo's limit", "8192"]),
+    (("train", "--config", "experiments", "--workdir", "/tmp/x"),
+     ["--config 'experiments' is not a file"]),
+    (("train", "--config", "experiments/eagle3_smollm2.py", "--workdir",
+      "/dev/null"), ["--workdir '/dev/null'"]),
+    (("train", "--config", "experiments/eagle3_smollm2.py", "--workdir",
+      "/dev/null/run"), ["--workdir '/dev/null/run'"]),
 ])
 def test_bad_input_exits_2_with_one_line(capsys, args, needles):
   """Invariant: each kind of bad input -> exit 2, one stderr line naming it."""
   _assert_usage_error(_main(capsys, *args), *needles)
+
+
+@pytest.mark.parametrize("source,needles", [
+    ("import no_such_module_here\n",
+     ["cannot load --config", "ModuleNotFoundError", "no_such_module_here"]),
+    ("def config():\n  raise RuntimeError('no data here')\n",
+     ["config() raised RuntimeError: no data here"]),
+    ("from specjax.training.train import TrainConfig\n"
+     "def config():\n  return TrainConfig(lr=float('nan'))\n",
+     ["config() raised ValueError", "lr must be > 0, got nan"]),
+    ("x = 1 / 0\n", ["cannot load --config", "ZeroDivisionError"]),
+    ("config = 3\n", ["defines no config() function"]),
+], ids=["import_error", "raising_config", "invalid_config", "raising_module",
+        "no_function"])
+def test_broken_config_files_are_one_line(capsys, tmp_path, source, needles):
+  """Invariant: a --config file that cannot be imported, whose config()
+  raises or returns an invalid config, is one stderr line naming the file
+  and what it raised, exit 2 (the user's code, never a traceback)."""
+  path = tmp_path / "cfg.py"
+  path.write_text(source)
+  _assert_usage_error(_main(capsys, "train", "--config", str(path),
+                            "--workdir", str(tmp_path / "w")), *needles)
+
+
+def test_prompts_that_are_not_unicode_text_are_refused(capsys, tmp_path):
+  """Invariant: a prompt file whose JSON holds a lone surrogate, and
+  undecodable bytes in argv (a real process: Python turns them into lone
+  surrogates), are one line naming where, exit 2 -- not a traceback from
+  the tokenizer."""
+  f = tmp_path / "p.jsonl"
+  f.write_text('{"prompt": "ok"}\n{"prompt": "bad \\ud800 text"}\n')
+  _assert_usage_error(_main(capsys, *GEN, "--prompt-file", str(f)),
+                      f"{f}:2: the prompt is not valid UTF-8")
+  proc = subprocess.run(
+      [sys.executable, "-c", _RUN.format(patch="pass"), *GEN, "--prompt",
+       b"caf\xe9 \xff"], capture_output=True, text=True, timeout=300)
+  _assert_usage_error(proc, "--prompt is not valid UTF-8")
 
 
 def test_entry_point_usage_error():
@@ -275,3 +325,26 @@ def test_the_seed_decides_a_sampled_run_across_processes():
     assert run.returncode == 0, run.stderr
   ids = [json.loads(run.stdout.splitlines()[0])["output_ids"] for run in runs]
   assert ids[0] == ids[1] and ids[0] != ids[2]
+
+
+def test_non_finite_logits_say_so_and_exit_1(capsys, tmp_path):
+  """Invariant: a model whose logits are NaN (every embedding row poisoned)
+  prints what it generated (nothing), one stderr line per prompt naming
+  the non-finite logits, and exits 1, in text and JSON modes alike --
+  never blank lines and exit 0."""
+  import safetensors.numpy
+  from tests.tiny_hf import make_chat_model
+  make_chat_model(tmp_path)
+  weights = safetensors.numpy.load_file(tmp_path / "model.safetensors")
+  weights["model.embed_tokens.weight"][:] = np.nan
+  safetensors.numpy.save_file(weights, tmp_path / "model.safetensors")
+  for mode in ((), ("--json",)):
+    proc = _main(capsys, *GEN, "--model", str(tmp_path), "--prompt",
+                 "hello", "--no-stream", *mode)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1, proc.stderr
+    assert lines == ["specjax: error: prompt 1: the model's logits are not "
+                     "finite (NaN or inf) after 0 new tokens; the output "
+                     "stops there"], lines
+    if mode:
+      assert json.loads(proc.stdout)["stop_reason"] == "nonfinite"

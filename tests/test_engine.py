@@ -219,3 +219,100 @@ def test_decode_configs_the_engine_cannot_run_are_refused(kw, words):
   import re
   with pytest.raises(ValueError, match=re.escape(words)):
     engine.DecodeConfig(**{"capacity": 64, **kw})
+
+
+def test_prompt_lengths_outside_the_padded_prompt_stop_at_once(tiny):
+  """Invariant: in the jitted API, a row whose length is 0, negative or
+  longer than the padded prompt emits nothing and stops as "bad_prompt"
+  (never garbage, never "nonfinite"), with and without drafts; the other
+  rows decode as they do alone."""
+  cfg, params = tiny
+  prompt_BT, _ = bucketing.pad_prompts([PROMPTS[1]] * 4)
+  lengths = jnp.asarray([len(PROMPTS[1]), 0, -1, prompt_BT.shape[1] + 1])
+  alone, _ = _run(params, cfg, [PROMPTS[1]], 6,
+                  engine.DecodeConfig(capacity=64))
+  for dcfg in (engine.DecodeConfig(capacity=64),
+               engine.DecodeConfig(capacity=64, drafter=NGramDrafter(),
+                                   num_draft=3)):
+    st = engine.generate_jit(params, prompt_BT, lengths, jax.random.key(0),
+                             np.int32(6), target=Decoder(cfg), dcfg=dcfg)
+    new = np.asarray(st.num_tokens - st.prompt_lengths)
+    assert new.tolist()[1:] == [0, 0, 0]
+    assert [engine.STOP_NAMES[int(r)] for r in st.stop_reason][1:] == [
+        "bad_prompt"] * 3
+    row = st.tokens[0, lengths[0]:st.num_tokens[0]].tolist()
+    assert row == alone[0]
+
+
+@pytest.mark.parametrize("name", ["layer_skip", "retrieval"])
+def test_a_drafter_without_its_params_is_named(tiny, name):
+  """Invariant: a drafter that needs parameters (here layer-skip's target
+  weights, retrieval's datastore) given none is refused by name before
+  anything is traced, not with an error from inside JAX."""
+  from specjax.drafters import LayerSkipDrafter, RetrievalDrafter
+  cfg, params = tiny
+  drafter = (LayerSkipDrafter.from_target(Decoder(cfg), 1)
+             if name == "layer_skip" else RetrievalDrafter())
+  prompt_BT, lengths = bucketing.pad_prompts(PROMPTS)
+  with pytest.raises(TypeError, match=f"{type(drafter).__name__} needs "
+                     "drafter_params"):
+    engine.generate_jit(params, prompt_BT, lengths, jax.random.key(0),
+                        np.int32(4), target=Decoder(cfg),
+                        dcfg=engine.DecodeConfig(capacity=64, drafter=drafter,
+                                                 num_draft=3))
+
+
+def test_a_prompt_prefilled_in_chunks_decodes_as_in_one_forward(tiny):
+  """Invariant: prompts longer than ``prefill_chunk`` (here 8; ragged, up
+  to 30 tokens, one shorter than a chunk) scored chunk by chunk leave the
+  cache a one-forward prefill leaves (every layer's K/V below each row's
+  length, 1e-5) and decode the same greedy tokens, AR and with an EAGLE-3
+  head (whose features for every prompt position come from the chunks)."""
+  from specjax.drafters.eagle import EagleDrafter
+  from tests.test_architectures import every_drafter
+  cfg, params = tiny
+  rng = np.random.default_rng(4)
+  prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (30, 5, 17)]
+  prompt_BT, lengths = bucketing.pad_prompts(prompts)
+  assert prompt_BT.shape[1] > 8
+  (kw, head), = every_drafter(Decoder(cfg), params, names=["eagle3"]).values()
+  for drafter in ({}, kw):
+    runs = []
+    for chunk in (512, 8):
+      dcfg = engine.DecodeConfig(capacity=64, prefill_chunk=chunk, **drafter)
+      pre = engine.prefill_jit(params, prompt_BT, lengths, jax.random.key(0),
+                               np.int32(10), target=Decoder(cfg), dcfg=dcfg,
+                               drafter_params=head if drafter else None)
+      st = engine.generate_jit(params, prompt_BT, lengths, jax.random.key(0),
+                               np.int32(10), target=Decoder(cfg), dcfg=dcfg,
+                               drafter_params=head if drafter else None)
+      runs.append((pre, [st.tokens[b, lengths[b]:st.num_tokens[b]].tolist()
+                         for b in range(3)]))
+    (one, out_one), (chunked, out_chunked) = runs
+    assert out_one == out_chunked
+    np.testing.assert_array_equal(one.cache.lengths, chunked.cache.lengths)
+    for layer in range(cfg.num_layers):
+      for row, n in enumerate(np.asarray(lengths)):  # k [G, H, S], v [G, S, H]
+        np.testing.assert_allclose(one.cache.k[layer][row, :, :, :n],
+                                   chunked.cache.k[layer][row, :, :, :n],
+                                   atol=1e-5)
+        np.testing.assert_allclose(one.cache.v[layer][row, :, :n],
+                                   chunked.cache.v[layer][row, :, :n],
+                                   atol=1e-5)
+
+
+def test_a_batch_that_does_not_fit_is_refused_before_allocating(
+    tiny, monkeypatch):
+  """Invariant: ``runner.generate_ids`` refuses a batch whose KV cache and
+  scratch exceed the free memory, naming rows, slots and both sizes,
+  before anything is allocated; the estimate grows with rows and slots."""
+  from specjax.core import runner
+  from specjax.models.registry import Model
+  cfg, params = tiny
+  model = Model(target=Decoder(cfg), params=params, tokenizer=None)
+  need = runner.decode_bytes(model, 4, 128, 32)
+  assert runner.decode_bytes(model, 8, 128, 32) > need
+  assert runner.decode_bytes(model, 4, 256, 32) > need
+  monkeypatch.setattr(runner, "available_bytes", lambda model: need // 2)
+  with pytest.raises(runner.DoesNotFit, match=r"4 rows x \d+ slots need"):
+    runner.generate_ids(model, PROMPTS, max_new_tokens=4)

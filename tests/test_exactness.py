@@ -16,9 +16,10 @@ and emitted bonuses (the check is not vacuous).
 
 Fast stage: a sampled chain whose draft vocabulary is smaller than V (an
 EAGLE-3 head, Vd = 10), a deterministic chain (n-gram), a model tree (EAGLE-2
-dynamic) and a static tree (the head's 2x2). Long stage: the other drafters
-(draft model, layer-skip, Medusa chain and tree, retrieval, the head's tree
-merged with the lookup trie) and the mutations the check must catch.
+dynamic) and a static tree (the head's 2x2). Long stage: AR (the reference
+agrees with specjax's sampler), the other drafters (draft model, layer-skip,
+Medusa chain and tree, retrieval, the head's tree merged with the lookup
+trie) and the mutations the check must catch.
 """
 
 import jax
@@ -196,6 +197,7 @@ def _check(target, drafter, dparams, kw):
   return stat, crit
 
 
+@pytest.mark.long
 def test_plain_sampling_is_the_reference(target):
   """Invariant: AR decoding under the same warping passes the same check
   (the reference and the check agree with specjax's sampler)."""

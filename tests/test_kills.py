@@ -38,13 +38,14 @@ import os
 import pathlib
 import re
 import signal
-import string
 import subprocess
 import sys
 import time
 
 import numpy as np
 import pytest
+
+from tests.tiny_hf import make_chat_model
 
 pytestmark = pytest.mark.long
 
@@ -113,36 +114,6 @@ sys.exit(main(sys.argv[1:]))
 '''
 
 
-def _chat_model(d: pathlib.Path):
-  """The tiny Llama of ``make_tiny("llama_gqa_tied", seed=4)`` (vocab 37)
-  with a character-level tokenizer: ``<unk>``, ``<|im_start|>``,
-  ``<|im_end|>`` (the EOS) and 34 characters, lower-cased. Its template
-  keeps six characters of each turn: a ShareGPT chat is ~11 tokens a turn,
-  and the template stays prefix-stable (``encode_conversation``)."""
-  import tokenizers
-  from tokenizers import decoders, models, normalizers, pre_tokenizers
-  from tests.tiny_hf import make_tiny
-  make_tiny("llama_gqa_tied", d, seed=4)
-  special = ["<unk>", "<|im_start|>", "<|im_end|>"]
-  chars = [*string.ascii_lowercase, " ", "\n", ".", ",", "?", "'", "-", ":"]
-  vocab = {t: i for i, t in enumerate(special + chars)}
-  assert len(vocab) == 37
-  tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-  tok.normalizer = normalizers.Lowercase()
-  tok.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex(r"[\s\S]"),
-                                           behavior="isolated")
-  tok.decoder = decoders.Fuse()
-  tok.add_special_tokens([tokenizers.AddedToken(t, special=True,
-                                                normalized=False)
-                          for t in special])
-  tok.save(str(d / "tokenizer.json"))
-  template = ("{% for m in messages %}<|im_start|>{{ m['role'][0] }}\n"
-              "{{ m['content'][:6] }}<|im_end|>\n{% endfor %}"
-              "{% if add_generation_prompt %}<|im_start|>a\n{% endif %}")
-  (d / "tokenizer_config.json").write_text(json.dumps(dict(
-      chat_template=template, eos_token="<|im_end|>", pad_token="<unk>")))
-
-
 class World:
   """What every test here shares: the model directory, a training config
   file, benchmark prompts, a HOME for the children (ShareGPT's tokenized
@@ -151,7 +122,7 @@ class World:
   def __init__(self, root: pathlib.Path):
     self.root, self.model = root, root / "model"
     self.model.mkdir()
-    _chat_model(self.model)
+    make_chat_model(self.model)
     self.home = root / "home"
     self.home.mkdir()
     self.config = root / "config.py"

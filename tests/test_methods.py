@@ -10,23 +10,43 @@ from specjax.models.decoder import Decoder
 
 
 class _OtherTokenizer:
+  """The same token strings, another encoding (other merges, say)."""
+  def __init__(self, real):
+    self.token_strings = real.token_strings
+
   def encode(self, text):
     return [1, 2, 3]
 
 
+class _SwappedTokenizer:
+  """The same encoding of the probe, two ids' strings swapped."""
+  def __init__(self, real):
+    self.encode = real.encode
+    self._strings = real.token_strings()
+    a, b = 1000, 1001
+    self._strings[a], self._strings[b] = self._strings[b], self._strings[a]
+
+  def token_strings(self):
+    return list(self._strings)
+
+
 @pytest.mark.parametrize("change,needle", [
     (dict(vocab=37), "vocab 37"),
-    (dict(tokenizer=_OtherTokenizer()), "tokenizes text differently"),
+    (dict(tokenizer=_OtherTokenizer), "tokenizes text differently"),
+    (dict(tokenizer=_SwappedTokenizer), "token 1000 is"),
 ])
 def test_draft_model_must_share_the_tokenizer(smollm2, monkeypatch, change,
                                               needle):
-  """Invariant: a draft model with another vocabulary size, or the same size
-  but another tokenizer, is refused with a message naming the mismatch."""
+  """Invariant: a draft model with another vocabulary size, the same size
+  but another tokenizer, or the same encoding of a probe but two token
+  strings swapped, is refused with a message naming the mismatch."""
   cfg = smollm2.config
   if "vocab" in change:
     cfg = dataclasses.replace(cfg, vocab_size=change["vocab"])
+  tokenizer = change.get("tokenizer")
   draft = registry.Model(target=Decoder(cfg), params=None,
-                         tokenizer=change.get("tokenizer", smollm2.tokenizer))
+                         tokenizer=tokenizer(smollm2.tokenizer) if tokenizer
+                         else smollm2.tokenizer)
   monkeypatch.setattr(registry, "load_model", lambda name: draft)
   with pytest.raises(methods.MethodError, match=needle):
     methods.build(smollm2, methods.MethodSpec("draft", draft_model="d.gguf"))

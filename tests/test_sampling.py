@@ -250,3 +250,18 @@ def test_temperatures_f32_cannot_hold_are_refused_and_tiny_ones_are_finite():
     assert np.isfinite(probs).all() and probs.sum() == pytest.approx(1.0)
     if sp.temperature < 1:
       np.testing.assert_array_equal(probs, [[0, 1, 0, 0]])
+
+
+def test_every_bit_of_a_seed_counts():
+  """Invariant: seeds below 2**32 keep ``jax.random.key``'s keys (results
+  published with them stand); seeds that differ only above bit 32 --
+  which ``jax.random.key`` alone maps to one key without x64 -- get
+  different keys; a seed past 2**63 (a CLI's seed plus a prompt's index)
+  wraps instead of overflowing."""
+  from specjax.core.sampling import seed_key
+  data = lambda k: np.asarray(jax.random.key_data(k)).tolist()
+  assert data(seed_key(12345)) == data(jax.random.key(12345))
+  assert data(jax.random.key(2**32)) == data(jax.random.key(0))  # the trap
+  keys = {str(data(seed_key(s))) for s in (0, 2**32, 2**40, 2**63 - 1)}
+  assert len(keys) == 4
+  assert data(seed_key(2**63 + 7)) == data(seed_key(7))

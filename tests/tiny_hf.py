@@ -5,7 +5,9 @@ Dimensions are small and all different so a swapped axis cannot go unnoticed.
 
 from __future__ import annotations
 
+import json
 import pathlib
+import string
 
 import torch
 import transformers
@@ -141,6 +143,35 @@ def make_tiny(name: str, directory: pathlib.Path, seed: int = 0):
       p.add_(0.2 * torch.randn_like(p))
   model.save_pretrained(directory, safe_serialization=True)
   return model
+
+
+def make_chat_model(d: pathlib.Path, seed: int = 4):
+  """The tiny Llama of ``make_tiny("llama_gqa_tied", seed)`` (vocab 37)
+  with a character-level tokenizer: ``<unk>``, ``<|im_start|>``,
+  ``<|im_end|>`` (the EOS) and 34 characters, lower-cased. Its template
+  keeps six characters of each turn: a ShareGPT chat is ~11 tokens a turn,
+  and the template stays prefix-stable (``encode_conversation``)."""
+  import tokenizers
+  from tokenizers import decoders, models, normalizers, pre_tokenizers
+  make_tiny("llama_gqa_tied", d, seed=seed)
+  special = ["<unk>", "<|im_start|>", "<|im_end|>"]
+  chars = [*string.ascii_lowercase, " ", "\n", ".", ",", "?", "'", "-", ":"]
+  vocab = {t: i for i, t in enumerate(special + chars)}
+  assert len(vocab) == 37
+  tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+  tok.normalizer = normalizers.Lowercase()
+  tok.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex(r"[\s\S]"),
+                                           behavior="isolated")
+  tok.decoder = decoders.Fuse()
+  tok.add_special_tokens([tokenizers.AddedToken(t, special=True,
+                                                normalized=False)
+                          for t in special])
+  tok.save(str(d / "tokenizer.json"))
+  template = ("{% for m in messages %}<|im_start|>{{ m['role'][0] }}\n"
+              "{{ m['content'][:6] }}<|im_end|>\n{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>a\n{% endif %}")
+  (d / "tokenizer_config.json").write_text(json.dumps(dict(
+      chat_template=template, eos_token="<|im_end|>", pad_token="<unk>")))
 
 
 CONVERTER = (pathlib.Path(__file__).parents[1] / ".venv" / "llama.cpp"

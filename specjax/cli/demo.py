@@ -73,7 +73,22 @@ def run(model: Model, max_new_tokens: int = 96) -> None:
   speculative(model, max_new_tokens=2 * max_new_tokens)
 
 
-def speculative(model: Model, max_new_tokens: int, num_draft: int = 4) -> None:
+SPEC_K = 4  # the speculative part's K
+
+
+def max_new_tokens_limit(model: Model) -> int:
+  """The largest ``max_new_tokens`` whose every part fits the context: the
+  batch's prompts plus it, the grounded prompts plus twice it and a verify
+  block."""
+  ctx = model.config.max_position
+  chat = lambda prompts: max(len(model.tokenizer.encode_chat(p))
+                             for p in prompts)
+  return min(ctx - chat(PROMPTS),
+             (ctx - chat(GROUNDED) - SPEC_K - 1) // 2)
+
+
+def speculative(model: Model, max_new_tokens: int,
+                num_draft: int = SPEC_K) -> None:
   """n-gram prompt lookup vs AR on the grounded prompts, one at a time."""
   from specjax.drafters import NGramDrafter
   say = lambda *a: print(*a, flush=True)

@@ -16,9 +16,11 @@ import time
 import jinja2
 from typing import Optional, Sequence
 
+from specjax.core.runner import DoesNotFit
 from specjax.drafters.methods import METHODS
 
 EXIT_USAGE = 2
+EXIT_NONFINITE = 1  # the model's logits turned NaN or inf (output kept)
 
 
 class UsageError(Exception):
@@ -234,12 +236,12 @@ def _check_fits(model, ids, max_new_tokens: int, k: int):
 
 
 def _read_prompts(args) -> list[str]:
-  if args.prompt is not None:
-    if not args.prompt.strip():
-      raise UsageError("empty prompt")
-    return [args.prompt]
   from specjax import data
   try:
+    if args.prompt is not None:
+      if not args.prompt.strip():
+        raise UsageError("empty prompt")
+      return [data.check_text(args.prompt, "--prompt")]
     return data.prompts_from_jsonl(args.prompt_file)
   except data.DataError as e:
     raise UsageError(str(e)) from None
@@ -345,7 +347,20 @@ def cmd_generate(args) -> int:
     sys.stdout.flush()
   if spec.k and not args.json:
     _speculative_summary(spec, all_rows, new_tokens / wall)
-  return 0
+  return _nonfinite_status(all_rows)
+
+
+def _nonfinite_status(rows) -> int:
+  """0, or EXIT_NONFINITE after one stderr line per row the model's
+  non-finite logits stopped (its text ends there; nothing was sampled from
+  them)."""
+  for i, row in enumerate(rows):
+    if row.stop_reason == "nonfinite":
+      print(f"specjax: error: prompt {i + 1}: the model's logits are not "
+            f"finite (NaN or inf) after {len(row.output_ids)} new tokens; "
+            "the output stops there", file=sys.stderr)
+  return EXIT_NONFINITE if any(r.stop_reason == "nonfinite"
+                               for r in rows) else 0
 
 
 def _speculative_summary(spec, rows, tokens_per_s: Optional[float]) -> None:
@@ -382,7 +397,7 @@ def _stream_generate(args, model, spec, prompts, ids, sampling, drafter,
     rows += res.rows
   if spec.k:
     _speculative_summary(spec, rows, None)
-  return 0
+  return _nonfinite_status(rows)
 
 
 def cmd_bench(args) -> int:
@@ -468,13 +483,21 @@ def cmd_tune(args) -> int:
 def cmd_train(args) -> int:
   import runpy
   from specjax.training import train
+  if not os.path.isfile(args.config):
+    raise UsageError(f"--config {args.config!r} is not a file")
+  # The user's code: whatever it raises is a usage error naming the file.
   try:
     module = runpy.run_path(args.config)
-  except (OSError, SyntaxError) as e:
-    raise UsageError(f"cannot load --config {args.config!r}: {e}") from None
+  except Exception as e:
+    raise UsageError(f"cannot load --config {args.config!r}: "
+                     f"{type(e).__name__}: {e}") from None
   if not callable(module.get("config")):
     raise UsageError(f"--config {args.config!r} defines no config() function")
-  cfg = module["config"]()
+  try:
+    cfg = module["config"]()
+  except Exception as e:
+    raise UsageError(f"--config {args.config!r}: config() raised "
+                     f"{type(e).__name__}: {e}") from None
   if not isinstance(cfg, train.TrainConfig):
     raise UsageError(f"--config {args.config!r}: config() must return a "
                      "TrainConfig")
@@ -487,6 +510,7 @@ def cmd_train(args) -> int:
   if args.time_limit is not None and not args.time_limit > 0:
     raise UsageError(f"--time-limit must be > 0 seconds, got {args.time_limit}")
   deadline = None if args.time_limit is None else time.time() + args.time_limit
+  _check_workdir(args.workdir)
   # A bad model or mesh fails here, before any data work.
   model = _load(cfg.model, cfg.mesh or None)
   run = train.train(cfg, args.workdir, model=model, stop_after=args.stop_after,
@@ -494,6 +518,16 @@ def cmd_train(args) -> int:
   print(json.dumps(dict(step=run.step, workdir=args.workdir,
                         last_loss=run.losses.get(run.step - 1))))
   return 0
+
+
+def _check_workdir(workdir: str) -> None:
+  """The run directory exists (or is created) and takes files."""
+  try:
+    os.makedirs(workdir, exist_ok=True)
+  except OSError as e:
+    raise UsageError(f"--workdir {workdir!r}: {e.strerror or e}") from None
+  if not os.access(workdir, os.W_OK | os.X_OK):
+    raise UsageError(f"--workdir {workdir!r} is not writable")
 
 
 def _join(spec: str) -> None:
@@ -512,7 +546,14 @@ def cmd_demo(args) -> int:
   from specjax.cli import demo
   if args.max_new_tokens < 1:
     raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-  demo.run(_load("smollm2-135m"), max_new_tokens=args.max_new_tokens)
+  model = _load("smollm2-135m")
+  limit = demo.max_new_tokens_limit(model)
+  if args.max_new_tokens > limit:
+    raise UsageError(
+        f"--max-new-tokens {args.max_new_tokens} is above the demo's limit of "
+        f"{limit}: its prompts and twice the budget must fit the model's "
+        f"context of {model.config.max_position}")
+  demo.run(model, max_new_tokens=args.max_new_tokens)
   return 0
 
 
@@ -524,6 +565,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return {"generate": cmd_generate, "bench": cmd_bench, "tune": cmd_tune,
             "train": cmd_train, "demo": cmd_demo}[args.command](args)
   except UsageError as e:
+    print(f"specjax: error: {e}", file=sys.stderr)
+    return EXIT_USAGE
+  except DoesNotFit as e:  # found where the batch's shapes are known
     print(f"specjax: error: {e}", file=sys.stderr)
     return EXIT_USAGE
   except KeyboardInterrupt:

@@ -24,6 +24,12 @@ sampled from: a step uses a row's positions (tree nodes) only up to the first
 whose logits are not all finite, so the row emits what AR would have emitted
 before it, and a row whose newest token's logits are not finite stops with
 ``STOP_NONFINITE``, keeping the tokens before.
+
+A prompt length outside ``[1, Tp]`` (nothing to condition on, or more
+tokens than the padded prompt holds) is never decoded from: the row emits
+nothing and stops with ``STOP_BAD_PROMPT`` (``runner.generate_ids`` refuses
+such prompts before anything runs; this is the jitted API's answer, where a
+length is a traced value and cannot raise).
 """
 
 from __future__ import annotations
@@ -45,9 +51,11 @@ from specjax.drafters.base import Drafter, Proposal, TreeDrafter
 from specjax.models.target import ForwardOutput, Target, missing_members
 
 # Per-row stop reasons (``DecodeState.stop_reason``).
-RUNNING, STOP_EOS, STOP_BUDGET, STOP_CAPACITY, STOP_NONFINITE = 0, 1, 2, 3, 4
+(RUNNING, STOP_EOS, STOP_BUDGET, STOP_CAPACITY, STOP_NONFINITE,
+ STOP_BAD_PROMPT) = range(6)
 STOP_NAMES = {RUNNING: "running", STOP_EOS: "eos", STOP_BUDGET: "length",
-              STOP_CAPACITY: "capacity", STOP_NONFINITE: "nonfinite"}
+              STOP_CAPACITY: "capacity", STOP_NONFINITE: "nonfinite",
+              STOP_BAD_PROMPT: "bad_prompt"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +79,10 @@ class DecodeConfig:
       out on (``sharding.state_specs``: rows over ``data``, the cache's kv
       heads over ``model``), with the parameters placed by
       ``sharding.shard_params``; None: wherever XLA puts it (one device).
+    prefill_chunk: a prompt longer than this is scored in chunks of this
+      many tokens (``prefill``), so the prefill's attention scores are
+      ``[B, N, chunk, S]``, never ``[B, N, Tp, S]``: memory linear in the
+      prompt.
   """
   capacity: int
   sampling: SamplingParams = SamplingParams()
@@ -79,8 +91,11 @@ class DecodeConfig:
   num_draft: int = 0
   tree_nodes: int = 0
   mesh: Optional[jax.sharding.Mesh] = None
+  prefill_chunk: int = 512
 
   def __post_init__(self):
+    if self.prefill_chunk < 1:
+      raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
     if self.capacity < 1 or self.num_draft < 0 or self.tree_nodes < 0:
       raise ValueError(f"capacity must be >= 1, num_draft and tree_nodes >= "
                        f"0; got {self.capacity}, {self.num_draft}, "
@@ -122,8 +137,8 @@ class DecodeState:
     num_tokens: ``int32[B]`` valid entries of ``tokens``.
     prompt_lengths: ``int32[B]``.
     max_new_tokens: ``int32[]`` per-row budget of generated tokens.
-    stop_reason: ``int32[B]``: RUNNING, STOP_EOS, STOP_BUDGET, STOP_CAPACITY
-      or STOP_NONFINITE.
+    stop_reason: ``int32[B]``: RUNNING, STOP_EOS, STOP_BUDGET, STOP_CAPACITY,
+      STOP_NONFINITE or STOP_BAD_PROMPT.
     cache: target KV cache, ``lengths == num_tokens - 1`` while running.
     drafter_state: the drafter's own state (e.g. its cache), or None.
     key: PRNG key for the next step.
@@ -174,9 +189,11 @@ def _laid_out(state: DecodeState, target: Target,
 
 def _update_stops(state: DecodeState, hit_eos_B: jax.Array,
                   dcfg: DecodeConfig,
-                  nonfinite_B: Optional[jax.Array] = None) -> DecodeState:
+                  nonfinite_B: Optional[jax.Array] = None,
+                  bad_prompt_B: Optional[jax.Array] = None) -> DecodeState:
   """Marks rows that just stopped; the first reason to fire wins."""
   clauses = (
+      (STOP_BAD_PROMPT, False if bad_prompt_B is None else bad_prompt_B),
       (STOP_NONFINITE, False if nonfinite_B is None else nonfinite_B),
       (STOP_EOS, hit_eos_B),
       (STOP_BUDGET, state.num_new_tokens >= state.max_new_tokens),
@@ -277,7 +294,8 @@ def prefill(params, prompt_BT: jax.Array,
 
   Args:
     prompt_BT: ``int32[B, Tp]`` prompts padded on the right (any pad id).
-    prompt_lengths_B: true lengths, each in ``[1, Tp]``.
+    prompt_lengths_B: true lengths, each in ``[1, Tp]`` (a row outside
+      it stops at once as ``STOP_BAD_PROMPT``).
     max_new_tokens: budget of generated tokens per row, at least 1: the
       prefill always samples one (an array: changing it does not recompile).
     drafter_params: the drafter's parameters (a pytree), if it has any.
@@ -289,20 +307,25 @@ def prefill(params, prompt_BT: jax.Array,
     raise TypeError(f"target must implement specjax.Target (a model's "
                     f"``.target``); {type(target).__name__} lacks "
                     f"{', '.join(missing)}")
+  if (dcfg.drafter is not None and drafter_params is None
+      and getattr(dcfg.drafter, "needs_params", False)):
+    raise TypeError(f"{type(dcfg.drafter).__name__} needs drafter_params "
+                    f"(its head, weights or datastore); got None")
   B, Tp = prompt_BT.shape
   S = dcfg.capacity
   if Tp >= S:  # the first sampled token needs a slot after the prompt
     raise ValueError(f"prompt bucket {Tp} must be below cache capacity {S}")
-  lengths = jnp.asarray(prompt_lengths_B, jnp.int32)
+  given = jnp.asarray(prompt_lengths_B, jnp.int32)
+  bad_B = (given < 1) | (given > Tp)
+  lengths = jnp.where(bad_B, 1, given)  # decoded from, then discarded
   cache = target.init_cache(params, B, S)
   if dcfg.mesh is not None:
     cache = sharding.constrain(
         cache, sharding.cache_specs(cache, target, dcfg.mesh), dcfg.mesh)
-  taps = _feature_taps(dcfg)
-  out = target.forward(params, prompt_BT, cache, taps=taps,
-                       logit_positions_BP=(lengths - 1)[:, None])
+  out = _score_prompt(params, target, prompt_BT, lengths, cache,
+                      _feature_taps(dcfg), dcfg.prefill_chunk)
   key, sub = jax.random.split(key)
-  ok_B = _finite(out.logits)[:, 0]
+  ok_B = _finite(out.logits)[:, 0] & ~bad_B
   first_B = sample_logits(_usable_logits(out.logits, ok_B[:, None])[:, 0],
                           dcfg.sampling, sub)
   tokens = jnp.zeros((B, S), jnp.int32).at[:, :Tp].set(prompt_BT)
@@ -323,7 +346,50 @@ def prefill(params, prompt_BT: jax.Array,
       num_drafted=zeros_B, accepted_at=jnp.zeros((B, dcfg.k), jnp.int32),
       accepted_nodes=jnp.zeros((B, dcfg.tree_nodes), jnp.int32))
   return _laid_out(_update_stops(state, _is_eos(first_B, dcfg) & ok_B, dcfg,
-                                 nonfinite_B=~ok_B), target, dcfg)
+                                 nonfinite_B=~ok_B, bad_prompt_B=bad_B),
+                   target, dcfg)
+
+
+def _score_prompt(params, target: Target, prompt_BT, lengths_B, cache, taps,
+                  chunk: int) -> ForwardOutput:
+  """The prompt's forward: the cache filled (``prefill`` then sets each
+  row's length), each row's logits at its last token (``[B, 1, V]``) and
+  the taps at every prompt position. A prompt longer than ``chunk`` goes
+  through the forward one chunk at a time (a ``lax.scan``): chunk c is
+  written after the prompt's first c * chunk tokens, the same positions
+  and visibility as one forward, so only the order of float sums
+  differs."""
+  B, Tp = prompt_BT.shape
+  if Tp <= chunk:
+    return target.forward(params, prompt_BT, cache, taps=taps,
+                          logit_positions_BP=(lengths_B - 1)[:, None])
+  num = -(-Tp // chunk)
+  padded = jnp.pad(prompt_BT, ((0, 0), (0, num * chunk - Tp)))
+  by_chunk = padded.reshape(B, num, chunk).transpose(1, 0, 2)  # [num, B, chunk]
+  last_B = lengths_B - 1
+
+  def body(carry, xs):
+    cache, logits_B1V = carry
+    c, tokens_BT = xs
+    start = c * chunk
+    out = target.forward(
+        params, tokens_BT, cache.with_lengths(jnp.full((B,), start, jnp.int32)),
+        taps=taps, logit_positions_BP=jnp.clip(last_B - start, 0,
+                                               chunk - 1)[:, None])
+    here_B = (last_B >= start) & (last_B < start + chunk)
+    logits_B1V = jnp.where(here_B[:, None, None], out.logits, logits_B1V)
+    return (out.cache, logits_B1V), jnp.asarray(out.taps) if taps else None
+
+  V = target.config.vocab_size
+  (cache, logits), taps_by_chunk = jax.lax.scan(
+      body, (cache, jnp.zeros((B, 1, V), jnp.float32)),
+      (jnp.arange(num), by_chunk))
+  if taps:  # [num, taps, B, chunk, D] -> [taps, B, Tp, D]
+    n, D = taps_by_chunk.shape[1], taps_by_chunk.shape[-1]
+    taps_by_chunk = taps_by_chunk.transpose(1, 2, 0, 3, 4).reshape(
+        n, B, num * chunk, D)[:, :, :Tp]
+  return ForwardOutput(logits=logits, cache=cache,
+                       taps=taps_by_chunk if taps else None)
 
 
 def _propose(drafter_params, state: DecodeState, dcfg: DecodeConfig,

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from specjax.core import bucketing, engine, sharding
-from specjax.core.sampling import SamplingParams
+from specjax.core.sampling import SamplingParams, seed_key
 from specjax.models.registry import Model
 
 
@@ -81,6 +81,55 @@ def decode_config(model: Model, prompt_bucket: int, max_new_tokens: int,
                                       extra=engine.block_width(k, nodes)),
       sampling=sampling, eos_ids=model.config.eos_ids, drafter=drafter,
       num_draft=k, tree_nodes=nodes, mesh=model.mesh)
+
+
+class DoesNotFit(ValueError):
+  """A requested batch would not fit the memory left."""
+
+
+def decode_bytes(model: Model, batch: int, capacity: int, prompt_bucket: int,
+                 block: int = 1, chunk: int = 512) -> int:
+  """What decoding ``batch`` rows in ``capacity`` slots allocates besides
+  the weights: the KV cache and token buffer, the prefill's attention
+  scores (one chunk of the prompt against every slot), and a step's
+  logits and probabilities (``block`` tokens a row)."""
+  c = model.config
+  item = np.dtype(model.params.embed.dtype).itemsize if hasattr(
+      model.params, "embed") else 4
+  cache = 2 * c.num_layers * batch * c.num_kv_heads * capacity * c.head_dim
+  scores = batch * c.num_heads * min(prompt_bucket, chunk) * capacity * 4
+  logits = 4 * batch * block * c.vocab_size * 4
+  return cache * item + batch * capacity * 4 + scores + logits
+
+
+def available_bytes(model: Model) -> int:
+  """Memory the run may take: the accelerator's free memory, else the
+  host's available memory (``MemAvailable``); 0 when unknown."""
+  stats = jax.devices()[0].memory_stats() or {}
+  if "bytes_limit" in stats:
+    return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return 0
+
+
+def check_memory(model: Model, batch: int, capacity: int,
+                 prompt_bucket: int, block: int = 1) -> None:
+  """Refuses, before anything is allocated, a batch whose decode state
+  would not fit the memory left (``decode_bytes`` against
+  ``available_bytes``)."""
+  need, have = (decode_bytes(model, batch, capacity, prompt_bucket, block),
+                available_bytes(model))
+  if have and need > have:
+    raise DoesNotFit(
+        f"{batch} rows x {capacity} slots need ~{need / 2**30:.1f} GiB for "
+        f"the KV cache and scratch; {have / 2**30:.1f} GiB is free: use "
+        f"fewer rows or shorter prompts")
 
 
 def generate_ids(model: Model, prompts: Sequence[Sequence[int]], *,
@@ -148,7 +197,9 @@ def _prepare(model, prompts, max_new_tokens, sampling, seed, drafter,
   prompt_BT, lengths_B = bucketing.pad_prompts(prompts, pad_id)
   dcfg = decode_config(model, prompt_BT.shape[1], max_new_tokens, sampling,
                        drafter, num_draft, tree_nodes)
-  args = (model.params, prompt_BT, lengths_B, jax.random.key(seed),
+  check_memory(model, len(prompts), dcfg.capacity, prompt_BT.shape[1],
+               dcfg.block)
+  args = (model.params, prompt_BT, lengths_B, seed_key(seed),
           np.int32(max_new_tokens))
   if model.mesh is not None:  # rows over the mesh's data axis
     args = (model.params, *sharding.shard_batch(args[1:3], model.mesh),

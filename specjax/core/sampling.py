@@ -82,6 +82,17 @@ def warp(logits_XV: jax.Array, sp: SamplingParams) -> jax.Array:
   return probs
 
 
+def seed_key(seed: int) -> jax.Array:
+  """The PRNG key of an integer seed, every bit of it counted. Without
+  x64, ``jax.random.key`` keeps a seed's low 32 bits only (2**32 and 0
+  give one key); here the bits above fold in, so seeds below 2**32 keep
+  the keys they always had and larger ones get their own. Taken modulo
+  2**63 (a CLI's seed plus a prompt's index may pass it)."""
+  seed = int(seed) % 2**63
+  key = jax.random.key(seed & 0xFFFFFFFF)
+  return jax.random.fold_in(key, seed >> 32) if seed >> 32 else key
+
+
 def sample(probs_XV: jax.Array, key: jax.Array) -> jax.Array:
   """One token per leading index from probabilities (zeros are never drawn)."""
   return jax.random.categorical(key, jnp.log(probs_XV), axis=-1).astype(

@@ -22,6 +22,8 @@ its ``feature_taps`` (empty for the others); the engine then passes
 the target just ran (``[B, Tp, F]`` for the prompt at ``init``,
 ``[B, K + 1, F]`` for ``[newest token, drafts]`` at ``commit``; after a tree
 step, the accepted path's, in path order); otherwise ``features`` is None.
+A drafter whose ``needs_params`` is true (a head, a draft model, a
+datastore) is refused without its ``params``.
 
 A ``base.TreeDrafter`` (n-gram, retrieval, both together, EAGLE, Medusa,
 and a head with the tables' trie merged in: ``union.TreeUnion``) also has

@@ -51,8 +51,11 @@ class Drafter(Protocol):
   Attributes:
     feature_taps: target layers whose inputs the drafter reads (EAGLE); the
       engine passes their concatenation as ``features``. Empty: none.
+    needs_params: whether ``params`` must be given (a head, a draft model's
+      weights, a datastore); the engine refuses None for such a drafter.
   """
   feature_taps: tuple[int, ...]
+  needs_params: bool
 
   def init(self, params, prompt_BT, prompt_lengths_B, capacity: int,
            num_draft: int, features=None) -> Any:
@@ -83,6 +86,7 @@ class Stateless:
   target features read."""
 
   feature_taps: ClassVar[tuple[int, ...]] = ()
+  needs_params: ClassVar[bool] = False
 
   def init(self, params, prompt_BT, prompt_lengths_B, capacity, num_draft,
            features=None):

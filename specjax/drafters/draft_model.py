@@ -43,6 +43,7 @@ class DraftModelDrafter:
   min_confidence: float = 0.0
   layers: Optional[tuple[int, ...]] = None
   feature_taps: ClassVar[tuple[int, ...]] = ()
+  needs_params: ClassVar[bool] = True  # the draft model's weights
 
   def __post_init__(self):
     if not 0.0 <= self.min_confidence < 1.0:

@@ -32,7 +32,7 @@ along the accepted path, so the head's state is as after a chain.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -102,6 +102,7 @@ class EagleDrafter:
   min_confidence: float = 0.0
   tree_width: int = 4
   tree_shape: tuple[int, ...] = ()  # a static tree's parents, root first
+  needs_params: ClassVar[bool] = True  # EagleParams
 
   @property
   def feature_taps(self) -> tuple[int, ...]:

@@ -16,6 +16,7 @@ has 1.50 and its own trie 1.55 (experiments/trie_acceptance.py).
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax.numpy as jnp
 
@@ -29,6 +30,7 @@ class LookupDrafter(TableTrie):
   """Attributes: the two drafters (params: the retrieval's datastore)."""
   ngram: NGramDrafter = NGramDrafter()
   retrieval: RetrievalDrafter = RetrievalDrafter()
+  needs_params: ClassVar[bool] = True  # the retrieval's Datastore
 
   def propose(self, params: Datastore, state, tokens_BS, num_tokens_B, key,
               num_draft, sampling) -> Proposal:

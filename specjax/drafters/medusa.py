@@ -22,7 +22,7 @@ the target scores it, so ``tree.verify_tree`` is exact at every temperature.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +67,7 @@ class MedusaDrafter:
   cfg: HeadConfig
   min_confidence: float = 0.0
   tree_shape: tuple[int, ...] = ()  # a static tree's parents, root first
+  needs_params: ClassVar[bool] = True  # MedusaParams
 
   def __post_init__(self):
     if self.cfg.variant != "medusa":

@@ -212,6 +212,13 @@ def _draft_model(model: Model, spec: MethodSpec):
         f"draft model {spec.draft_model!r} has vocab {draft.config.vocab_size}"
         f", the target has {model.config.vocab_size}: they must share a "
         "tokenizer")
+  ours = model.tokenizer.token_strings()
+  theirs = draft.tokenizer.token_strings()
+  if ours != theirs:
+    i = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
+    raise MethodError(f"draft model {spec.draft_model!r}: token {i} is "
+                      f"{theirs[i]!r}, the target's is {ours[i]!r}: they "
+                      "must share a tokenizer")
   probe = "The quick brown fox, 12345 déjà vu!\n"
   if draft.tokenizer.encode(probe) != model.tokenizer.encode(probe):
     raise MethodError(f"draft model {spec.draft_model!r} tokenizes text "

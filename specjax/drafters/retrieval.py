@@ -30,7 +30,7 @@ import hashlib
 import json
 import os
 import pathlib
-from typing import Optional, Sequence
+from typing import ClassVar, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -317,6 +317,7 @@ class RetrievalDrafter(TableTrie):
   n_min: int = 1
   n_max: int = 4
   min_confidence: float = 0.0
+  needs_params: ClassVar[bool] = True  # the Datastore
 
   def __post_init__(self):
     if not 1 <= self.n_min <= self.n_max:

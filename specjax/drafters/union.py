@@ -18,7 +18,7 @@ tree's nodes that path ran through); the tables keep none.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 from flax import struct
 
@@ -45,6 +45,7 @@ class TreeUnion:
   head: Any
   table: TableTrie
   table_nodes: int
+  needs_params: ClassVar[bool] = True  # UnionParams
 
   @property
   def feature_taps(self) -> tuple[int, ...]:

@@ -52,7 +52,7 @@ def load_head(path, target: ModelConfig | None = None):
   """``(HeadConfig, params (f32), draft_ids)``; checks fit to ``target``."""
   try:
     z = np.load(path)
-  except (OSError, ValueError, zipfile.BadZipFile) as e:
+  except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
     raise ValueError(f"cannot read head file {str(path)!r}: {e}") from None
   with z:
     if "meta" not in z:

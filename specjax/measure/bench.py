@@ -181,21 +181,22 @@ def _journal_key(model: Model, built, prompts, **settings) -> str:
 def _read_journal(path: Optional[pathlib.Path], key: str, runs: int) -> dict:
   """``{(repeat, batch): [BatchResult of AR, then of each method]}``; a
   record of another benchmark, cut short by a kill or of another layout is
-  ignored."""
+  ignored, and so is any line that is not one (bytes that are not UTF-8,
+  JSON nested too deep to parse)."""
   done = {}
   if path is None or not path.is_file():
     return done
-  for line in path.read_text(encoding="utf-8").splitlines():
+  for line in path.read_bytes().splitlines():
     try:
-      rec = json.loads(line)
+      rec = json.loads(line.decode("utf-8"))
       if rec.get("key") != key or len(rec["runs"]) != runs:
         continue
       done[rec["repeat"], rec["batch"]] = [
           runner.BatchResult(**{**r, "rows": [runner.RowResult(**row)
                                              for row in r["rows"]]})
           for r in rec["runs"]]
-    except (json.JSONDecodeError, AttributeError, KeyError, TypeError):
-      continue
+    except (ValueError, AttributeError, KeyError, TypeError, RecursionError):
+      continue  # JSONDecodeError and UnicodeDecodeError are ValueErrors
   return done
 
 

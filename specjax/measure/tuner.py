@@ -188,8 +188,10 @@ def measure_costs(model: "Model", batch_size: int, progress: bool = True,
 
   from tqdm import tqdm
 
-  from specjax.core import engine
+  from specjax.core import engine, runner
   target, B = model.target, batch_size
+  runner.check_memory(model, B, 2 * context, context,
+                      max(K_MAX + 2, *TREE_WIDTHS))
   cache = target.init_cache(model.params, B, 2 * context).with_lengths(
       np.full((B,), context, np.int32))
   fwd = jax.jit(lambda p, t, c: target.forward(p, t, c).logits)

@@ -293,6 +293,11 @@ class Tokenizer:
     return self._tok.decode(
         list(ids), skip_special_tokens=skip_special_tokens)
 
+  def token_strings(self) -> list[str]:
+    """Every id's token string, in id order (what two models must agree on
+    to share ids)."""
+    return [self._tok.id_to_token(i) for i in range(self.vocab_size)]
+
   def _token(self, i: Optional[int]) -> Optional[str]:
     return None if i is None else self._tok.id_to_token(i)
 

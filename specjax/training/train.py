@@ -29,6 +29,7 @@ import numpy as np
 import optax
 
 from specjax.core import sharding
+from specjax.core.sampling import seed_key
 from specjax.heads import FROZEN, head_module
 from specjax.heads.base import VARIANTS, HeadConfig
 from specjax.heads.export import save_head
@@ -363,7 +364,7 @@ def setup(cfg: TrainConfig, *, model=None,
       min(vd, tcfg.vocab_size), always=tcfg.eos_ids)
   depths = dict(medusa_heads=cfg.medusa_heads) if cfg.variant == "medusa" else {}
   hcfg = HeadConfig.for_target(tcfg, vocab.size, variant=cfg.variant, **depths)
-  params = init_head(jax.random.key(cfg.seed), hcfg, model.target,
+  params = init_head(seed_key(cfg.seed), hcfg, model.target,
                      model.params, vocab)
   if cfg.init_layer == "target":
     params = warm_layer(params, hcfg, model.target, model.params)
