@@ -9,10 +9,13 @@ that is empty, not Unicode, or a path to nothing, a directory or
 model is loaded once (``tests/test_cli.py``'s fixture) and the decoding,
 benchmarking, tuning and training themselves are stubbed out: the cases
 check the boundary, and a case that passes it is recorded as accepted.
-The long stage draws more examples than the fast one.
+Each case has a time limit (a hang fails it). The long stage draws more
+examples than the fast one. Then the API's config objects, from any numbers,
+and a table of hostile files.
 """
 
 import os
+import signal
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings, strategies as st
@@ -120,19 +123,31 @@ def stubbed(monkeypatch, tmp_path):
              tmp_path / "experiments")
 
 
-def _contract(argv, capsys):
-  """"accepted", or the one error line of a refusal (exit 2)."""
+def _hung(signum, frame):
+  raise TimeoutError("a case ran past its time limit: a hang")
+
+
+def _contract(argv, capsys, seconds: int = 120):
+  """"accepted", or the one error line of a refusal (exit 2); a case still
+  running after ``seconds`` (loading a model included) fails as a hang."""
   from specjax.cli.main import main
   capsys.readouterr()
+  signal.signal(signal.SIGALRM, _hung)
+  signal.alarm(seconds)
   try:
     code = main(argv)
   except Accepted:
     return "accepted"
   except SystemExit as e:  # argparse
     code = e.code
+  finally:
+    signal.alarm(0)
   err = capsys.readouterr().err.strip().splitlines()
-  assert code == 2, (argv, code, err)
-  assert len(err) == 1 and err[0].startswith("specjax: error: "), (argv, err)
+  # ascii(): a report must carry no lone surrogate (xdist cannot send one).
+  assert code == 2, ascii((argv, code, err))
+  assert len(err) == 1 and err[0].startswith("specjax: error: "), ascii(
+      (argv, err))
+  assert err[0].isprintable() and err[0].encode(), ascii(err)  # a terminal's
   return err[0]
 
 
@@ -236,3 +251,62 @@ def test_hostile_files_are_one_line(capsys, tmp_path, flag, kind, words):
           str(path)]
   line = _contract(argv, capsys)
   assert line != "accepted" and words in line, line
+
+
+# --- the API's config objects ------------------------------------------------
+
+ANY_NUMBER = st.one_of(
+    st.integers(-2**64, 2**64), st.floats(allow_nan=True,
+                                          allow_infinity=True),
+    st.sampled_from([0, 1, -1, 1e-40, 1e-320, 2**63]))
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(temperature=ANY_NUMBER, top_k=ANY_NUMBER, top_p=ANY_NUMBER,
+       capacity=ANY_NUMBER, num_draft=ANY_NUMBER, tree_nodes=ANY_NUMBER,
+       chunk=ANY_NUMBER, with_drafter=st.booleans())
+def test_api_configs_are_valid_or_refused_by_type(
+    temperature, top_k, top_p, capacity, num_draft, tree_nodes, chunk,
+    with_drafter):
+  """Invariant: ``SamplingParams`` and ``DecodeConfig`` built from any
+  numbers either hold values the engine can run (finite, in range, a tree
+  within ``tree.MAX_NODES``, a block within the capacity) or raise a
+  ``ValueError`` or ``TypeError`` naming a field: never another exception,
+  never an object the engine would then misuse."""
+  from specjax.core import engine, tree
+  from specjax.core.sampling import F32_MAX, F32_TINY, SamplingParams
+  from specjax.drafters import NGramDrafter
+  try:
+    sp = SamplingParams(temperature, top_k, top_p)
+  except (ValueError, TypeError) as e:
+    assert any(f in str(e) for f in ("temperature", "top_p", "top_k")), e
+  else:
+    assert isinstance(sp.top_k, int), sp
+    assert sp.temperature == 0 or F32_TINY <= sp.temperature <= F32_MAX
+    assert 0 < sp.top_p <= 1 and sp.top_k >= 0
+  try:
+    dcfg = engine.DecodeConfig(
+        capacity=capacity, num_draft=num_draft, tree_nodes=tree_nodes,
+        prefill_chunk=chunk,
+        drafter=NGramDrafter(num_paths=3) if with_drafter else None)
+  except (ValueError, TypeError) as e:
+    assert any(f in str(e) for f in ("capacity", "num_draft", "tree_nodes",
+                                     "prefill_chunk", "drafter", "block",
+                                     "scores")), e
+  else:
+    for field in ("capacity", "num_draft", "tree_nodes", "prefill_chunk"):
+      assert isinstance(getattr(dcfg, field), int), (field, dcfg)
+    assert dcfg.capacity >= 1 and dcfg.prefill_chunk >= 1
+    assert 0 <= dcfg.tree_nodes <= tree.MAX_NODES
+    assert dcfg.block <= dcfg.capacity and (dcfg.k >= 1) == with_drafter
+
+
+def test_a_hanging_case_fails(capsys, stubbed, monkeypatch):
+  """Invariant: a case that does not return within its limit (here a demo
+  that sleeps past 1 s) fails the contract instead of hanging the suite."""
+  import time
+  from specjax.cli import demo
+  assert _contract(["demo", "--max-new-tokens=4"], capsys) == "accepted"
+  monkeypatch.setattr(demo, "run", lambda *a, **kw: time.sleep(30))
+  with pytest.raises(TimeoutError, match="a hang"):
+    _contract(["demo", "--max-new-tokens=4"], capsys, seconds=1)

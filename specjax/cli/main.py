@@ -557,6 +557,14 @@ def cmd_demo(args) -> int:
   return 0
 
 
+def error_line(e: Exception) -> str:
+  """``specjax: error: ...`` on one printable line, whatever the user typed
+  into the message: a line break, a terminal escape or a lone surrogate
+  (undecodable argv) is written as its Python escape."""
+  return "specjax: error: " + "".join(
+      c if c.isprintable() else ascii(c)[1:-1] for c in str(e))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
   try:
     args = _build_parser().parse_args(argv)
@@ -564,11 +572,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       _join(args.distributed)
     return {"generate": cmd_generate, "bench": cmd_bench, "tune": cmd_tune,
             "train": cmd_train, "demo": cmd_demo}[args.command](args)
-  except UsageError as e:
-    print(f"specjax: error: {e}", file=sys.stderr)
-    return EXIT_USAGE
-  except DoesNotFit as e:  # found where the batch's shapes are known
-    print(f"specjax: error: {e}", file=sys.stderr)
+  except (UsageError, DoesNotFit) as e:  # DoesNotFit: found at the shapes
+    print(error_line(e), file=sys.stderr)
     return EXIT_USAGE
   except KeyboardInterrupt:
     print("specjax: interrupted", file=sys.stderr)

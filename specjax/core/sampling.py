@@ -38,6 +38,8 @@ class SamplingParams:
   top_p: float = 1.0
 
   def __post_init__(self):
+    if isinstance(self.top_k, bool) or not hasattr(self.top_k, "__index__"):
+      raise TypeError(f"top_k must be an int, got {self.top_k!r}")
     if not (math.isfinite(self.temperature) and self.temperature >= 0):
       raise ValueError(f"temperature must be >= 0, got {self.temperature}")
     # Acceptance math is f32: a temperature f32 cannot hold as a normal
