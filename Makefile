@@ -21,6 +21,13 @@ REFS   := gemma==2.0.8 sentencepiece==0.2.3
 LLAMACPP_VERSION := 0.3.36
 CONVERTER := $(VENV)/llama.cpp/convert_hf_to_gguf.py
 
+# llama.cpp itself (llama-cpp-python compiles it: ~6 min on 2 cores), for the
+# long stage only: its tests compare specjax with it and require it. Only the
+# shared libraries are built (no tests, examples, tools, server or llava).
+LLAMACPP := $(VENV)/.llamacpp
+LLAMACPP_CMAKE := -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF \
+  -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF
+
 # The native CPU kernels (specjax/kernels/native.py: a small-row matmul and decode
 # attention) are compiled against the installed jaxlib's FFI headers; if they
 # cannot be built, specjax warns once at run time and uses XLA's ops.
@@ -48,11 +55,17 @@ $(CONVERTER): $(STAMP) tests/fetch_converter.py
 	$(BIN)/python tests/fetch_converter.py $(LLAMACPP_VERSION) $(VENV)/llama.cpp
 	touch $@
 
+$(LLAMACPP): $(STAMP)
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) CMAKE_ARGS="$(LLAMACPP_CMAKE)" \
+	  $(BIN)/pip install -q --no-binary llama-cpp-python \
+	  llama-cpp-python==$(LLAMACPP_VERSION)
+	touch $@
+
 demo: $(STAMP) $(NATIVE)
 	$(BIN)/specjax demo
 
 test: $(STAMP) $(NATIVE) $(CONVERTER)
 	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 -m "not long" tests
 
-test-long: $(STAMP) $(NATIVE) $(CONVERTER)
+test-long: $(STAMP) $(NATIVE) $(CONVERTER) $(LLAMACPP)
 	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 -m long tests

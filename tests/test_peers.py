@@ -84,8 +84,10 @@ def test_peers_bench_on_small_model(small_gguf, prompt_file, tmp_path):
   over the same prompts; each speculative output equals its own greedy AR's
   (prompt lookup is exact at T = 0 in all three); transformers' greedy output
   equals specjax's on these f32 weights; a rerun reads the journal instead of
-  decoding again (identical timings)."""
-  pytest.importorskip("transformers")
+  decoding again (identical timings). Both peers are required: the long
+  stage installs them, and a missing one fails here instead of skipping."""
+  assert bench_peers.installed("transformers"), "transformers is not installed"
+  assert bench_peers.installed("llama_cpp"), "llama-cpp-python is not installed"
   journal = tmp_path / "peers.journal"
   argv = ["--model", str(small_gguf), "--dataset", str(prompt_file),
           "--max-new-tokens", "24", "--specjax", "ngram:k=3", "--lookup", "3",
@@ -95,17 +97,15 @@ def test_peers_bench_on_small_model(small_gguf, prompt_file, tmp_path):
   by = {(r["engine"], r["method"]): r for r in rows}
   expected = {("specjax", "ar"), ("specjax", "ngram:k=3"),
               ("transformers", "ar"), ("transformers", "prompt-lookup:k=3")}
-  if bench_peers.installed("llama_cpp"):
-    expected |= {(e, m) for e in ("llama.cpp", "llama.cpp-f32")
-                 for m in ("ar", "prompt-lookup:k=3")}
+  expected |= {(e, m) for e in ("llama.cpp", "llama.cpp-f32")
+               for m in ("ar", "prompt-lookup:k=3")}
   assert set(by) == expected
   for r in rows:
     assert r["num_prompts"] == len(PROMPTS) and r["tokens_per_s"] > 0
     assert 0 < r["new_tokens"] <= 24 * len(PROMPTS)
     assert r["equals_own_greedy"], r
   assert by[("transformers", "ar")]["rows_equal_to_specjax_greedy"] == len(PROMPTS)
-  if bench_peers.installed("llama_cpp"):
-    assert by[("llama.cpp", "ar")]["weights"] == "Q4_1 (as stored)"
+  assert by[("llama.cpp", "ar")]["weights"] == "Q4_1 (as stored)"
   again = bench_peers.main(argv)
   assert [r["tokens_per_s"] for r in again] == [r["tokens_per_s"] for r in rows]
   # An interrupted run's first prompt alone, reported without decoding.
