@@ -87,7 +87,8 @@ def test_ngram_retrieval_builds_both_tables(smollm2, tmp_path, monkeypatch):
   from specjax.drafters import Datastore, LookupDrafter
   monkeypatch.setenv("HOME", str(tmp_path))  # the datastore cache
   drafter, store = methods.build(smollm2, methods.MethodSpec(
-      "ngram+retrieval", tree_width=3, datastore_conversations=20))
+      "ngram+retrieval", tree_width=3, tree_nodes=8,
+      datastore_conversations=20))
   assert isinstance(drafter, LookupDrafter) and isinstance(store, Datastore)
   assert drafter.ngram.num_paths == 3
 

@@ -319,3 +319,36 @@ def test_rollback_equals_a_fresh_forward(rollback_programs, seed):
   got = block(i32(prompt), i32(lengths), i32(blk), i32(keep), i32(nxt))
   want = fresh(i32(seq), i32(lengths + keep), i32(nxt))
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_api_arguments_are_typed_errors(tiny):
+  """Invariant: ``generate_ids`` refuses, with a ``TypeError`` or
+  ``ValueError`` naming the argument, what would otherwise run wrong: ids
+  that are not ints (1.5 was truncated to 1), ids outside the vocabulary
+  (NaN embeddings), a budget past the context (positions the model never
+  saw) or not an int, draft knobs without a drafter (AR, silently), a block
+  wider than the context, a seed that is not an int. A 2-D array of ids is
+  a batch of rows."""
+  from specjax.core import runner
+  from specjax.models.registry import Model
+  cfg, params = tiny
+  model = Model(target=Decoder(cfg), params=params, tokenizer=None)
+  ctx = cfg.max_position
+  bad = [
+      (dict(prompts=[[1.5, 2]]), TypeError, "token ids must be ints"),
+      (dict(prompts=[[True, 2]]), TypeError, "token ids must be ints"),
+      (dict(prompts=[[1, cfg.vocab_size]]), ValueError, "outside the vocab"),
+      (dict(prompts=[[1, -1]]), ValueError, "outside the vocabulary"),
+      (dict(max_new_tokens=ctx), runner.ContextError, "exceed the model's"),
+      (dict(max_new_tokens=4.0), TypeError, "max_new_tokens must be an int"),
+      (dict(num_draft=3), ValueError, "need a drafter"),
+      (dict(drafter=NGramDrafter(), num_draft=ctx), runner.ContextError,
+       "wider than the model's context"),
+      (dict(seed="1"), TypeError, "seed must be an int")]
+  for kw, error, words in bad:
+    kw = {"prompts": [[1, 2, 3]], "max_new_tokens": 2, **kw}
+    with pytest.raises(error, match=re.escape(words)):
+      runner.generate_ids(model, **kw)
+  rows = runner.generate_ids(model, np.array([[1, 2, 3], [1, 2, 3]]),
+                             max_new_tokens=2).rows
+  assert rows[0].output_ids == rows[1].output_ids and len(rows) == 2

@@ -182,7 +182,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.long
-def test_two_processes_decode_on_one_global_mesh():
+def test_two_processes_decode_on_one_global_mesh(tmp_path):
   """Invariant: two processes (4 CPU devices each, gloo between them)
   joined by ``sharding.initialize_distributed`` decode one batch on the
   global mesh data=4,model=2 through ``runner.generate_ids`` (each process
@@ -193,15 +193,20 @@ def test_two_processes_decode_on_one_global_mesh():
              XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
              + " --xla_force_host_platform_device_count=4")
   port = str(_free_port())
-  procs = [subprocess.Popen(
-      [sys.executable, "-m", "tests.sharding_worker", "--multihost", port,
-       str(pid)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE, text=True) for pid in (0, 1)]
+  # Files, not pipes: a worker whose unread pipe fills blocks before the
+  # shutdown barrier, and the other one's barrier then times out.
+  logs = [(tmp_path / f"{pid}.out", tmp_path / f"{pid}.err") for pid in (0, 1)]
+  procs = []
+  for pid, (out, err) in enumerate(logs):
+    with out.open("w") as o, err.open("w") as e:
+      procs.append(subprocess.Popen(
+          [sys.executable, "-m", "tests.sharding_worker", "--multihost",
+           port, str(pid)], cwd=ROOT, env=env, stdout=o, stderr=e))
   outs = []
-  for p in procs:
-    stdout, stderr = p.communicate(timeout=900)
-    assert p.returncode == 0, stderr[-3000:]
-    outs.append(json.loads(stdout.strip().splitlines()[-1]))
+  for p, (out, err) in zip(procs, logs):
+    p.wait(timeout=900)
+    assert p.returncode == 0, err.read_text()[-3000:]
+    outs.append(json.loads(out.read_text().strip().splitlines()[-1]))
   assert [o["process"] for o in outs] == [0, 1]
   for o in outs:
     assert o["processes"] == 2 and o["devices"] == 8

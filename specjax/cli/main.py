@@ -115,8 +115,9 @@ def _add_model_args(p, several: bool = False):
   p.add_argument("--method", default="ngram" if several else "ar",
                  help=f"one of {', '.join(METHODS)}"
                  + (" (comma-separated for several)" if several else ""))
-  p.add_argument("--num-draft", type=int, default=4,
-                 help="K, drafts per verify step (speculative methods)")
+  p.add_argument("--num-draft", type=int, default=None,
+                 help="K, drafts per verify step (speculative methods; "
+                 "default 4)")
   p.add_argument("--tree-nodes", type=int, default=0,
                  help="draft trees of up to this many nodes, --num-draft "
                  "deep, verified in one forward (ngram, retrieval, eagle, "
@@ -171,17 +172,19 @@ def _method_specs(args) -> list:
       ("--head", args.head, HEADS), ("--draft-model", args.draft_model,
                                      ("draft",)),
       ("--layers", args.layers, ("layerskip",)),
+      ("--num-draft", args.num_draft is not None, set(METHODS) - {"ar"}),
       ("--tree-nodes", args.tree_nodes, set(METHODS) - {"ar"})):
     if value and not set(names) & set(users):
       raise UsageError(f"{flag} is for --method {', '.join(sorted(users))}; "
                        f"--method {args.method} would ignore it")
+  num_draft = 4 if args.num_draft is None else args.num_draft
   specs = []
   for name in names:
     if name not in METHODS:
       raise UsageError(f"unknown method {name!r} "
                        f"(choose from {', '.join(METHODS)})")
-    if name != "ar" and args.num_draft < 1:
-      raise UsageError(f"--num-draft must be >= 1, got {args.num_draft}")
+    if name != "ar" and num_draft < 1:
+      raise UsageError(f"--num-draft must be >= 1, got {num_draft}")
     if args.tree_nodes < 0:
       raise UsageError(f"--tree-nodes must be >= 0, got {args.tree_nodes}")
     if args.tree_width < 1:
@@ -191,7 +194,7 @@ def _method_specs(args) -> list:
                        f"{args.min_confidence}")
     try:
       specs.append(MethodSpec(
-          name=name, num_draft=args.num_draft, tree_nodes=args.tree_nodes,
+          name=name, num_draft=num_draft, tree_nodes=args.tree_nodes,
           tree_width=args.tree_width, tree_shape=args.tree_shape,
           lookup_nodes=args.lookup_nodes, layers=args.layers,
           min_confidence=args.min_confidence, draft_model=args.draft_model,
@@ -220,19 +223,29 @@ def _check_common(args):
     raise UsageError(f"--seed must be in [0, 2**63), got {args.seed}")
 
 
-def _check_fits(model, ids, max_new_tokens: int, k: int):
-  """Prompt + new tokens + one verify block of K + 1 must fit the context."""
-  ctx = model.config.max_position
-  for i, p in enumerate(ids):
-    if len(p) + max_new_tokens > ctx:
-      raise UsageError(
-          f"prompt {i + 1} is {len(p)} tokens; with --max-new-tokens "
-          f"{max_new_tokens} it exceeds the model's context of {ctx}")
-    if len(p) + max_new_tokens + k + 1 > ctx:
-      raise UsageError(
-          f"--num-draft {k} is too large: prompt {i + 1} ({len(p)} tokens) + "
-          f"--max-new-tokens {max_new_tokens} + a verify block of {k + 1} "
-          f"exceed the model's context of {ctx}")
+def _check_fits(model, ids, max_new_tokens: int, specs) -> None:
+  """Each prompt and its new tokens fit the context, and so does the
+  widest verify block (``runner.check_context``), worded with the flags."""
+  from specjax.core import engine, runner
+  block = max(engine.block_width(s.k, s.tree_nodes if s.k else 0)
+              for s in specs)
+  try:
+    runner.check_context(model, [len(p) for p in ids], max_new_tokens, block)
+  except runner.ContextError as e:
+    if e.block > e.context:
+      raise UsageError(f"{_knob(specs)} is too large: a verify block of "
+                       f"{block} is wider than the model's context of "
+                       f"{e.context}") from None
+    raise UsageError(f"prompt {e.index + 1} is {e.length} tokens; with "
+                     f"--max-new-tokens {max_new_tokens} it exceeds the "
+                     f"model's context of {e.context}") from None
+
+
+def _knob(specs) -> str:
+  widest = max(specs, key=lambda s: s.tree_nodes if s.k else s.k)
+  if widest.tree_nodes:
+    return f"--tree-nodes {widest.tree_nodes}"
+  return f"--num-draft {max(s.k for s in specs)}"
 
 
 def _read_prompts(args) -> list[str]:
@@ -298,7 +311,7 @@ def cmd_generate(args) -> int:
   prompts = _read_prompts(args)
   model = _load(args.model, args.mesh, args.dtype)
   ids = _encode(model, prompts, chat=not args.no_chat_template)
-  _check_fits(model, ids, args.max_new_tokens, spec.k)
+  _check_fits(model, ids, args.max_new_tokens, [spec])
   drafter, drafter_params = _build(model, spec)
 
   if args.stream and args.json:
@@ -419,7 +432,7 @@ def cmd_bench(args) -> int:
     raise UsageError(str(e)) from None
   model = _load(args.model, args.mesh, args.dtype)
   ids = _encode(model, prompts, chat=args.dataset != "humaneval")
-  _check_fits(model, ids, args.max_new_tokens, max(s.k for s in specs))
+  _check_fits(model, ids, args.max_new_tokens, specs)
   built = [(s, *_build(model, s)) for s in specs]  # bad knobs fail here
 
   import jax

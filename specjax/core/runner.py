@@ -87,6 +87,54 @@ class DoesNotFit(ValueError):
   """A requested batch would not fit the memory left."""
 
 
+@dataclasses.dataclass
+class ContextError(ValueError):
+  """Prompt ``index`` (``length`` tokens) and ``max_new_tokens`` run past
+  the model's ``context``, or a verify block of ``block`` tokens is wider
+  than it."""
+  index: int
+  length: int
+  max_new_tokens: int
+  block: int
+  context: int
+
+  def __str__(self):
+    if self.block > self.context:
+      return (f"a verify block of {self.block} tokens is wider than the "
+              f"model's context of {self.context}")
+    return (f"prompt {self.index} ({self.length} tokens) + max_new_tokens "
+            f"{self.max_new_tokens} exceed the model's context of "
+            f"{self.context}")
+
+
+def check_context(model: Model, lengths: Sequence[int], max_new_tokens: int,
+                  block: int = 1) -> None:
+  """Raises ``ContextError`` when a prompt and its new tokens do not fit
+  ``model.config.max_position``, or a verify block is wider than it. A
+  block may reach past the last position: what it drafts there is past the
+  budget and never kept (tests/test_reliability.py)."""
+  ctx = model.config.max_position
+  for i, n in enumerate(lengths):
+    if n + max_new_tokens > ctx or block > ctx:
+      raise ContextError(i, int(n), max_new_tokens, block, ctx)
+
+
+def _check_ids(prompts, vocab_size: int) -> list[list[int]]:
+  """The prompts as lists of ints (a 2-D array's rows too); a token id
+  that is not an integer (1.5, True, "3") or not in [0, V) is refused."""
+  out = []
+  for p in prompts:
+    row = p.tolist() if isinstance(p, np.ndarray) else list(p)
+    for t in row:
+      if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+        raise TypeError(f"token ids must be ints, got {t!r}")
+      if not 0 <= t < vocab_size:  # a lookup past the table: NaN, no error
+        raise ValueError(
+            f"token id {t} is outside the vocabulary [0, {vocab_size})")
+    out.append(row)
+  return out
+
+
 def decode_bytes(model: Model, batch: int, capacity: int, prompt_bucket: int,
                  block: int = 1, chunk: int = 512) -> int:
   """What decoding ``batch`` rows in ``capacity`` slots allocates besides
@@ -104,8 +152,9 @@ def decode_bytes(model: Model, batch: int, capacity: int, prompt_bucket: int,
 
 def available_bytes(model: Model) -> int:
   """Memory the run may take: the accelerator's free memory, else the
-  host's available memory (``MemAvailable``); 0 when unknown."""
-  stats = jax.devices()[0].memory_stats() or {}
+  host's available memory (``MemAvailable``); 0 when unknown. Asks this
+  process's first device: another process's devices cannot answer."""
+  stats = jax.local_devices()[0].memory_stats() or {}
   if "bytes_limit" in stats:
     return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
   try:
@@ -187,16 +236,20 @@ def _prepare(model, prompts, max_new_tokens, sampling, seed, drafter,
              num_draft, tree_nodes, drafter_params):
   """Checked, padded, placed arguments of ``engine.generate``: ``(args,
   dcfg, drafter_params)``."""
+  if isinstance(max_new_tokens, bool) or not isinstance(
+      max_new_tokens, (int, np.integer)):
+    raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-  V = model.config.vocab_size
-  bad = [t for p in prompts for t in p if not 0 <= int(t) < V]
-  if bad:  # an embedding lookup past the table gives NaN, not an error
-    raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {V})")
+  if drafter is None and (num_draft or tree_nodes):
+    raise ValueError(f"num_draft {num_draft} and tree_nodes {tree_nodes} "
+                     f"need a drafter; without one the decode is AR")
+  prompts = _check_ids(prompts, model.config.vocab_size)
   pad_id = getattr(model.tokenizer, "pad_id", None) or 0
   prompt_BT, lengths_B = bucketing.pad_prompts(prompts, pad_id)
   dcfg = decode_config(model, prompt_BT.shape[1], max_new_tokens, sampling,
                        drafter, num_draft, tree_nodes)
+  check_context(model, lengths_B, max_new_tokens, dcfg.block)
   check_memory(model, len(prompts), dcfg.capacity, prompt_BT.shape[1],
                dcfg.block)
   args = (model.params, prompt_BT, lengths_B, seed_key(seed),

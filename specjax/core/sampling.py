@@ -90,6 +90,8 @@ def seed_key(seed: int) -> jax.Array:
   give one key); here the bits above fold in, so seeds below 2**32 keep
   the keys they always had and larger ones get their own. Taken modulo
   2**63 (a CLI's seed plus a prompt's index may pass it)."""
+  if isinstance(seed, bool) or not hasattr(seed, "__index__"):
+    raise TypeError(f"seed must be an int, got {seed!r}")
   seed = int(seed) % 2**63
   key = jax.random.key(seed & 0xFFFFFFFF)
   return jax.random.fold_in(key, seed >> 32) if seed >> 32 else key

@@ -109,6 +109,7 @@ def build(model: Model, spec: MethodSpec) -> tuple[Any, Any]:
     raise MethodError(f"--tree-width must be >= 1, got {spec.tree_width}")
   if spec.lookup_nodes:
     _check_lookup(spec)
+  _check_knobs_apply(spec)
   built = _build(model, spec)
   if spec.lookup_nodes:
     built = _with_lookup(model, spec, built)
@@ -125,6 +126,31 @@ def build(model: Model, spec: MethodSpec) -> tuple[Any, Any]:
                         f"(--tree-nodes) work with: ngram, retrieval, "
                         f"ngram+retrieval, eagle, eagle3, medusa")
   return built
+
+
+# The drafters that stop a chain early on their own confidence (dynamic K).
+DYNAMIC_K = ("draft", "layerskip", "eagle", "eagle3", "medusa")
+
+
+def _check_knobs_apply(spec: MethodSpec) -> None:
+  """A knob the method would ignore is refused, never dropped: dynamic K
+  outside those drafters' chains, a tree width where no tree merges
+  matches or expands its top-k (chains, Medusa, static shapes without a
+  lookup, retrieval alone)."""
+  if spec.min_confidence and (spec.tree_nodes or spec.name not in DYNAMIC_K):
+    raise MethodError(
+        f"--min-confidence (dynamic K) is for chains of "
+        f"{', '.join(DYNAMIC_K)}; {spec.label()} would ignore it")
+  widened = spec.tree_nodes and (
+      spec.name in ("ngram", "ngram+retrieval") or spec.lookup_nodes
+      or (spec.name in ("eagle", "eagle3") and not spec.tree_shape))
+  if spec.tree_width != _DEFAULT_WIDTH and not widened:
+    raise MethodError(
+        f"--tree-width is for dynamic trees (ngram, ngram+retrieval, eagle, "
+        f"eagle3, or a head's lookup trie); {spec.label()} would ignore it")
+
+
+_DEFAULT_WIDTH = MethodSpec.tree_width
 
 
 def _check_lookup(spec: MethodSpec) -> None:
