@@ -335,8 +335,8 @@ def test_bad_api_arguments_are_typed_errors(tiny):
   model = Model(target=Decoder(cfg), params=params, tokenizer=None)
   ctx = cfg.max_position
   bad = [
-      (dict(prompts=[[1.5, 2]]), TypeError, "token ids must be ints"),
-      (dict(prompts=[[True, 2]]), TypeError, "token ids must be ints"),
+      (dict(prompts=[[1.5, 2]]), TypeError, "a token id must be an int"),
+      (dict(prompts=[[True, 2]]), TypeError, "a token id must be an int"),
       (dict(prompts=[[1, cfg.vocab_size]]), ValueError, "outside the vocab"),
       (dict(prompts=[[1, -1]]), ValueError, "outside the vocabulary"),
       (dict(max_new_tokens=ctx), runner.ContextError, "exceed the model's"),

@@ -226,26 +226,21 @@ def _check_common(args):
 def _check_fits(model, ids, max_new_tokens: int, specs) -> None:
   """Each prompt and its new tokens fit the context, and so does the
   widest verify block (``runner.check_context``), worded with the flags."""
-  from specjax.core import engine, runner
-  block = max(engine.block_width(s.k, s.tree_nodes if s.k else 0)
-              for s in specs)
+  from specjax.core import runner
+  widest = max(specs, key=lambda s: s.block)
   try:
-    runner.check_context(model, [len(p) for p in ids], max_new_tokens, block)
+    runner.check_context(model, [len(p) for p in ids], max_new_tokens,
+                         widest.block)
   except runner.ContextError as e:
     if e.block > e.context:
-      raise UsageError(f"{_knob(specs)} is too large: a verify block of "
-                       f"{block} is wider than the model's context of "
+      knob = (f"--tree-nodes {widest.tree_nodes}" if widest.tree_nodes
+              else f"--num-draft {widest.k}")
+      raise UsageError(f"{knob} is too large: a verify block of {e.block} "
+                       f"is wider than the model's context of "
                        f"{e.context}") from None
     raise UsageError(f"prompt {e.index + 1} is {e.length} tokens; with "
                      f"--max-new-tokens {max_new_tokens} it exceeds the "
                      f"model's context of {e.context}") from None
-
-
-def _knob(specs) -> str:
-  widest = max(specs, key=lambda s: s.tree_nodes if s.k else s.k)
-  if widest.tree_nodes:
-    return f"--tree-nodes {widest.tree_nodes}"
-  return f"--num-draft {max(s.k for s in specs)}"
 
 
 def _read_prompts(args) -> list[str]:

@@ -45,7 +45,8 @@ from flax import struct
 from specjax.core import sharding, tree as trees
 from specjax.core.cache import KVCache
 from specjax.core.rows import at_rows, set_at_rows
-from specjax.core.sampling import SamplingParams, sample_logits, warp
+from specjax.core.sampling import (SamplingParams, require_int,
+                                   sample_logits, warp)
 from specjax.core.verify import verify_chain
 from specjax.drafters.base import Drafter, Proposal, TreeDrafter
 from specjax.models.target import ForwardOutput, Target, missing_members
@@ -95,7 +96,7 @@ class DecodeConfig:
 
   def __post_init__(self):
     for name in ("capacity", "num_draft", "tree_nodes", "prefill_chunk"):
-      _require_int(name, getattr(self, name))
+      require_int(name, getattr(self, name))
     if self.prefill_chunk < 1:
       raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
     if self.capacity < 1 or self.num_draft < 0 or self.tree_nodes < 0:
@@ -123,12 +124,6 @@ class DecodeConfig:
   def block(self) -> int:
     """Tokens a verify forward scores per row: the newest plus the drafts."""
     return block_width(self.k, self.tree_nodes)
-
-
-def _require_int(name: str, value) -> None:
-  """A static size must be an integer (numpy's too), never 4.0 or True."""
-  if isinstance(value, bool) or not hasattr(value, "__index__"):
-    raise TypeError(f"{name} must be an int, got {value!r}")
 
 
 def block_width(num_draft: int, tree_nodes: int = 0) -> int:

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from specjax.core import bucketing, engine, sharding
-from specjax.core.sampling import SamplingParams, seed_key
+from specjax.core.sampling import SamplingParams, require_int, seed_key
 from specjax.models.registry import Model
 
 
@@ -126,8 +126,7 @@ def _check_ids(prompts, vocab_size: int) -> list[list[int]]:
   for p in prompts:
     row = p.tolist() if isinstance(p, np.ndarray) else list(p)
     for t in row:
-      if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-        raise TypeError(f"token ids must be ints, got {t!r}")
+      require_int("a token id", t)
       if not 0 <= t < vocab_size:  # a lookup past the table: NaN, no error
         raise ValueError(
             f"token id {t} is outside the vocabulary [0, {vocab_size})")
@@ -236,9 +235,7 @@ def _prepare(model, prompts, max_new_tokens, sampling, seed, drafter,
              num_draft, tree_nodes, drafter_params):
   """Checked, padded, placed arguments of ``engine.generate``: ``(args,
   dcfg, drafter_params)``."""
-  if isinstance(max_new_tokens, bool) or not isinstance(
-      max_new_tokens, (int, np.integer)):
-    raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
+  require_int("max_new_tokens", max_new_tokens)
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
   if drafter is None and (num_draft or tree_nodes):

@@ -22,6 +22,13 @@ F32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal f32
 F32_MAX = float(np.finfo(np.float32).max)
 
 
+def require_int(name: str, value) -> None:
+  """Raises ``TypeError`` unless ``value`` is an integer (numpy's too):
+  never 4.0, True or "4"."""
+  if isinstance(value, bool) or not hasattr(value, "__index__"):
+    raise TypeError(f"{name} must be an int, got {value!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
   """Static sampling knobs (hashable; changing them recompiles).
@@ -38,8 +45,7 @@ class SamplingParams:
   top_p: float = 1.0
 
   def __post_init__(self):
-    if isinstance(self.top_k, bool) or not hasattr(self.top_k, "__index__"):
-      raise TypeError(f"top_k must be an int, got {self.top_k!r}")
+    require_int("top_k", self.top_k)
     if not (math.isfinite(self.temperature) and self.temperature >= 0):
       raise ValueError(f"temperature must be >= 0, got {self.temperature}")
     # Acceptance math is f32: a temperature f32 cannot hold as a normal
@@ -90,8 +96,7 @@ def seed_key(seed: int) -> jax.Array:
   give one key); here the bits above fold in, so seeds below 2**32 keep
   the keys they always had and larger ones get their own. Taken modulo
   2**63 (a CLI's seed plus a prompt's index may pass it)."""
-  if isinstance(seed, bool) or not hasattr(seed, "__index__"):
-    raise TypeError(f"seed must be an int, got {seed!r}")
+  require_int("seed", seed)
   seed = int(seed) % 2**63
   key = jax.random.key(seed & 0xFFFFFFFF)
   return jax.random.fold_in(key, seed >> 32) if seed >> 32 else key

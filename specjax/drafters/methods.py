@@ -87,6 +87,12 @@ class MethodSpec:
   def k(self) -> int:
     return 0 if self.name == "ar" else self.num_draft
 
+  @property
+  def block(self) -> int:
+    """Tokens one verify forward scores (``engine.block_width``)."""
+    from specjax.core.engine import block_width
+    return block_width(self.k, self.tree_nodes if self.k else 0)
+
   def label(self) -> str:
     if self.name == "ar":
       return self.name
@@ -130,6 +136,7 @@ def build(model: Model, spec: MethodSpec) -> tuple[Any, Any]:
 
 # The drafters that stop a chain early on their own confidence (dynamic K).
 DYNAMIC_K = ("draft", "layerskip", "eagle", "eagle3", "medusa")
+_DEFAULT_WIDTH = MethodSpec.tree_width
 
 
 def _check_knobs_apply(spec: MethodSpec) -> None:
@@ -148,9 +155,6 @@ def _check_knobs_apply(spec: MethodSpec) -> None:
     raise MethodError(
         f"--tree-width is for dynamic trees (ngram, ngram+retrieval, eagle, "
         f"eagle3, or a head's lookup trie); {spec.label()} would ignore it")
-
-
-_DEFAULT_WIDTH = MethodSpec.tree_width
 
 
 def _check_lookup(spec: MethodSpec) -> None:
