@@ -2,7 +2,9 @@
 # the long tests, marked `long`, are `make test-long`, CI's second stage).
 # Both create .venv on first use and reinstall when the package metadata changes.
 # Tests run on up to 4 xdist workers (one per core) sharing a compilation cache
-# (tests/conftest.py): the suite is mostly XLA compile time.
+# (tests/conftest.py): the suite is mostly XLA compile time. The fast stage
+# hands each worker whole modules (--dist loadscope): a module's fixtures
+# (tiny checkpoints, the real model) are built on one worker, not on each.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -65,7 +67,7 @@ demo: $(STAMP) $(NATIVE)
 	$(BIN)/specjax demo
 
 test: $(STAMP) $(NATIVE) $(CONVERTER)
-	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 -m "not long" tests
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadscope -m "not long" tests
 
 test-long: $(STAMP) $(NATIVE) $(CONVERTER) $(LLAMACPP)
 	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 -m long tests

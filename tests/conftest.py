@@ -8,14 +8,20 @@ import pytest
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
-# XLA's own code at LLVM -O0: the tiny-model tests, bound by compiling, take
-# 20-25% less time (measured on test_engine + test_speculative, cold cache);
-# a few that run the real model's XLA ops longer take up to ~1.3x (the
-# native kernels are built apart). Set before the backend starts, inherited
-# by subprocesses; XLA_FLAGS given wins.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_backend_optimization_level=0").strip()
+# Compile-time flags for the tests (benchmarks and users run XLA's
+# defaults; tests/test_optimized.py checks greedy identity there): XLA's own
+# code at LLVM -O0 (the tiny-model tests, bound by compiling, take 20-25%
+# less time; a few that run the real model's XLA ops longer take up to
+# ~1.3x; the native kernels are built apart), and fusions emitted by XLA's
+# elemental emitter instead of its MLIR fusion emitters (a third less time
+# compiling a tiny model's generate program; docs/DESIGN.md). Set before the
+# backend starts, inherited by subprocesses; a flag given in XLA_FLAGS wins.
+TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0",
+                  "--xla_cpu_use_fusion_emitters=false")
+_given = os.environ.get("XLA_FLAGS", "")
+os.environ["XLA_FLAGS"] = " ".join(
+    [_given] + [f for f in TEST_XLA_FLAGS if f.split("=")[0] not in _given]
+).strip()
 
 # Most of the suite's time is XLA compilation, and many tests compile the same
 # programs (the same model forward under a new closure, a CLI subprocess, the

@@ -37,9 +37,10 @@ def test_greedy_identity_at_the_default_optimization_level():
   """Invariant: at XLA's default optimization level, n-gram chains and the
   shipped head's 8-node EAGLE-2 tree emit AR's tokens on SmolLM2 for a
   ragged batch of 4 chat prompts."""
+  from tests.conftest import TEST_XLA_FLAGS
   from tests.test_smollm2 import PROMPTS
   flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
-                   if "xla_backend_optimization_level" not in f)
+                   if f not in TEST_XLA_FLAGS)
   run = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(PROMPTS)],
                        capture_output=True, text=True, timeout=900,
                        env={**os.environ, "XLA_FLAGS": flags})

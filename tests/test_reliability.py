@@ -94,6 +94,7 @@ def test_nonfinite_logits_stop_the_row_where_ar_would(tiny, method):
     assert out[b] == clean[b] and why[b] == "length"
 
 
+@pytest.mark.long
 def test_the_nonfinite_check_catches_a_missing_cut(tiny, monkeypatch):
   """Invariant (mutation check): a chain step that verifies its drafts
   past the first non-finite position (the cut removed) lets the

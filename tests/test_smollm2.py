@@ -126,8 +126,9 @@ def ar_rows(smollm2):
   return prompts, runner.generate_ids(smollm2, prompts, max_new_tokens=40)
 
 
-# The first stage keeps a chain and the shipped heads; the long stage the
-# rest.
+# The first stage keeps the shipped heads (a chain and two trees, with
+# their floors); the long stage the rest (n-gram on SmolLM2 also runs in
+# ``make demo`` and tests/test_optimized.py).
 _LONG = pytest.mark.long
 
 # Target tokens per verify forward (all rows' new tokens over all their
@@ -157,7 +158,8 @@ def _speculate(smollm2, prompts, method, tmp_path_factory):
 
 
 @pytest.mark.parametrize("method", [
-    "ngram", pytest.param("ngram_tree", marks=_LONG),
+    pytest.param("ngram", marks=_LONG),
+    pytest.param("ngram_tree", marks=_LONG),
     pytest.param("layerskip_dynamic_k", marks=_LONG),
     pytest.param("retrieval", marks=_LONG),
     pytest.param("retrieval_tree", marks=_LONG),
