@@ -12,7 +12,10 @@ tau). Sized to the 2-hour budget on the faster 2-core VM (docs/RESULTS.md,
 in all. On the slower VM the same run takes about 2.5x as long;
 ``--set feature_cache=720 --set steps=1440 --set ttt_steps=7
 --set ttt_warm_fraction=0.85`` is the 2-hour run there (``eagle3-v3``).
-Resumes from the newest checkpoint (and a partial cache).
+The head's layer starts as the target layer its high tap feeds
+(``init_layer="target"``); ``--set init_layer=random`` is the earlier heads'
+start (``eagle3-v5``). Resumes from the newest checkpoint (and a partial
+cache).
 """
 
 import dataclasses
@@ -26,4 +29,5 @@ def config():
   online = runpy.run_path(str(_ONLINE))["config"]()
   return dataclasses.replace(online, steps=5000, feature_cache=2000,
                              ttt_steps=3, ttt_warm_fraction=0.0,
-                             checkpoint_every=200, keep=2)
+                             init_layer="target", checkpoint_every=200,
+                             keep=2)

@@ -220,6 +220,25 @@ def test_broken_config_files_are_one_line(capsys, tmp_path, source, needles):
                             "--workdir", str(tmp_path / "w")), *needles)
 
 
+def test_a_resume_with_another_config_is_one_line(capsys, tmp_path):
+  """Invariant: ``train`` in the workdir of a run started with the recipe's
+  config, with --set changing a field, is one line naming the field, both
+  values and --allow-config-change, exit 2, before the model loads; a
+  workdir whose config.json is not a run's config is one line naming it."""
+  import dataclasses
+  import runpy
+  recipe = "experiments/eagle3_smollm2.py"
+  cfg = runpy.run_path(recipe)["config"]()
+  (tmp_path / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+  train = ("train", "--config", recipe, "--workdir", str(tmp_path))
+  changed = _main(capsys, *train, "--set", "lr=0.001", "--set", "log_every=5")
+  _assert_usage_error(changed, "lr 0.0003 -> 0.001", "--allow-config-change")
+  assert "log_every" not in changed.stderr  # bookkeeping may change
+  (tmp_path / "config.json").write_text("[1, 2]")
+  _assert_usage_error(_main(capsys, *train), "config.json", "not a run's "
+                      "config")
+
+
 def test_prompts_that_are_not_unicode_text_are_refused(capsys, tmp_path):
   """Invariant: a prompt file whose JSON holds a lone surrogate, and
   undecodable bytes in argv (a real process: Python turns them into lone

@@ -3,6 +3,7 @@ with exactly the losses of an uninterrupted one."""
 
 import dataclasses
 import json
+import pathlib
 
 import numpy as np
 import pytest
@@ -340,7 +341,8 @@ def test_schedule_as_data_matches_optax_warmup_cosine():
   import jax.numpy as jnp
   import optax
   cfg = dataclasses.replace(CFG, lr=1e-3, warmup=5, final_lr_fraction=0.1)
-  lr = jax.jit(lambda c, n: etrain.lr_at(cfg, c, n))
+  ocfg = etrain.OptimizerConfig.of(cfg)
+  lr = jax.jit(lambda c, n: etrain.lr_at(ocfg, c, n))
   for total in (3, 6, 40):
     ref = optax.warmup_cosine_decay_schedule(
         0.0, cfg.lr, cfg.warmup, max(total, cfg.warmup + 1),
@@ -359,12 +361,12 @@ def test_a_second_run_of_another_length_reuses_the_compiled_step(
   etrain.train(dataclasses.replace(CFG, steps=2), tmp_path / "probe",
                model=tiny_model, examples=ex, progress=False)
   # Other tests in this process may have compiled other programs already.
-  compiled = {k: f._cache_size() for k, f in etrain._step_fns.items()}
+  compiled = etrain.train_step._cache_size()
   etrain.train(dataclasses.replace(CFG, steps=5, log_every=2,
                                    checkpoint_every=0),
                tmp_path / "run", model=tiny_model, examples=ex,
                progress=False)
-  assert {k: f._cache_size() for k, f in etrain._step_fns.items()} == compiled
+  assert etrain.train_step._cache_size() == compiled
 
 
 @pytest.mark.parametrize("mutation", [None, "no_guard"])
@@ -408,6 +410,48 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_head(
         a, np.asarray(jnp.asarray(b, jnp.bfloat16), np.float32))
 
 
+def test_a_resume_with_another_config_is_refused_unless_asked_for(
+    tiny_model, tmp_path):
+  """Invariants: rerun in a run's workdir with fields changed that change
+  what is trained, ``train`` raises ConfigChanged naming each field with
+  both values before anything runs (no file in the workdir touched); the
+  mesh and the bookkeeping fields may change; with ``allow_config_change``
+  the run goes on under the new config, ``config.json`` holds it, and
+  ``provenance.jsonl`` has one line per start (its step, the change, the
+  origin given, the code's commit, the package versions)."""
+  import subprocess
+  import jax
+  ex, w = _examples(), tmp_path / "w"
+  cfg = dataclasses.replace(CFG, steps=2)
+  run = lambda c, **kw: etrain.train(c, w, model=tiny_model, examples=ex,
+                                     progress=False, **kw)
+  run(cfg, origin=dict(config_file="exp.py", overrides=["steps=2"]))
+  files = {f: f.read_bytes() for f in w.rglob("*") if f.is_file()}
+  with pytest.raises(etrain.ConfigChanged) as e:
+    run(dataclasses.replace(cfg, steps=4, lr=1e-3))
+  assert e.value.changes == {"steps": (2, 4), "lr": (3e-3, 1e-3)}
+  assert "steps 2 -> 4, lr 0.003 -> 0.001" in str(e.value)
+  assert {f: f.read_bytes() for f in w.rglob("*") if f.is_file()} == files
+  assert etrain.config_changes(dataclasses.replace(
+      cfg, mesh="data=1", log_every=3, checkpoint_every=1, keep=1), w) == {}
+  assert run(dataclasses.replace(cfg, steps=4),
+             allow_config_change=True).step == 4
+  assert json.loads((w / "config.json").read_text())["steps"] == 4
+  starts = [json.loads(l) for l in
+            (w / "provenance.jsonl").read_text().splitlines()]
+  assert [(s["start_step"], s["changed"], s["config"]["steps"])
+          for s in starts] == [(0, {}, 2), (2, {"steps": [2, 4]}, 4)]
+  assert starts[0]["config_file"] == "exp.py" and "config_file" not in starts[1]
+  assert starts[1]["versions"]["jax"] == jax.__version__
+  root = pathlib.Path(etrain.__file__).resolve().parents[2]
+  if (root / ".git").exists():
+    assert starts[1]["code"]["commit"] == subprocess.run(
+        ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
+        text=True).stdout.strip()
+  else:
+    assert starts[1]["code"] is None
+
+
 def test_a_checkpoint_that_does_not_fit_is_named(tiny_model, tmp_path):
   """Resuming in a workdir whose checkpoint holds another head (here a
   different draft vocabulary) or a damaged one fails with one ValueError
@@ -420,13 +464,14 @@ def test_a_checkpoint_that_does_not_fit_is_named(tiny_model, tmp_path):
   with pytest.raises(ValueError, match=r"checkpoint '.*w/ckpt/2' does not "
                                        r"fit this run"):
     etrain.train(other, tmp_path / "w", model=tiny_model, examples=ex,
-                 progress=False)
+                 progress=False, allow_config_change=True)
   for f in (tmp_path / "w" / "ckpt" / "2").rglob("*"):
     if f.is_file() and f.stat().st_size > 64:
       f.write_bytes(f.read_bytes()[:16])
   with pytest.raises(ValueError, match=r"checkpoint '.*w/ckpt/2'"):
     etrain.train(dataclasses.replace(cfg, steps=4), tmp_path / "w",
-                 model=tiny_model, examples=ex, progress=False)
+                 model=tiny_model, examples=ex, progress=False,
+                 allow_config_change=True)
 
 
 def test_resume_keeps_metrics_up_to_the_checkpoint_and_moves_the_rest(

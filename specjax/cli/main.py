@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import sys
@@ -95,6 +96,10 @@ def _build_parser() -> argparse.ArgumentParser:
   tr.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                   help="stop after the first step that ends this long after "
                   "the start, with a checkpoint there; rerun to go on")
+  tr.add_argument("--allow-config-change", action="store_true",
+                  help="resume although the config differs from the one the "
+                  "run started with (WORKDIR/config.json); the change is "
+                  "recorded in WORKDIR/provenance.jsonl")
 
   for sp in (g, b, tr):
     sp.add_argument("--distributed", default=None, metavar="auto|HOST:PORT,N,I",
@@ -489,43 +494,64 @@ def cmd_tune(args) -> int:
 
 
 def cmd_train(args) -> int:
-  import runpy
   from specjax.training import train
-  if not os.path.isfile(args.config):
-    raise UsageError(f"--config {args.config!r} is not a file")
-  # The user's code: whatever it raises is a usage error naming the file.
-  try:
-    module = runpy.run_path(args.config)
-  except Exception as e:
-    raise UsageError(f"cannot load --config {args.config!r}: "
-                     f"{type(e).__name__}: {e}") from None
-  if not callable(module.get("config")):
-    raise UsageError(f"--config {args.config!r} defines no config() function")
-  try:
-    cfg = module["config"]()
-  except Exception as e:
-    raise UsageError(f"--config {args.config!r}: config() raised "
-                     f"{type(e).__name__}: {e}") from None
-  if not isinstance(cfg, train.TrainConfig):
-    raise UsageError(f"--config {args.config!r}: config() must return a "
-                     "TrainConfig")
-  try:
-    cfg = train.override(cfg, args.set)
-  except ValueError as e:
-    raise UsageError(str(e)) from None
+  cfg = _train_config(args.config, args.set)
   if args.stop_after is not None and args.stop_after < 1:
     raise UsageError(f"--stop-after must be >= 1, got {args.stop_after}")
   if args.time_limit is not None and not args.time_limit > 0:
     raise UsageError(f"--time-limit must be > 0 seconds, got {args.time_limit}")
   deadline = None if args.time_limit is None else time.time() + args.time_limit
   _check_workdir(args.workdir)
+  try:
+    changes = train.config_changes(cfg, args.workdir)
+  except ValueError as e:
+    raise UsageError(str(e)) from None
+  if changes and not args.allow_config_change:
+    raise UsageError(train.ConfigChanged(args.workdir, changes).summary() +
+                     "; rerun with the run's settings, or add "
+                     "--allow-config-change")
   # A bad model or mesh fails here, before any data work.
   model = _load(cfg.model, cfg.mesh or None)
+  with open(args.config, "rb") as f:
+    origin = dict(config_file=os.path.abspath(args.config),
+                  config_sha256=hashlib.sha256(f.read()).hexdigest(),
+                  overrides=list(args.set))
   run = train.train(cfg, args.workdir, model=model, stop_after=args.stop_after,
-                    deadline=deadline)
+                    deadline=deadline,
+                    allow_config_change=args.allow_config_change,
+                    origin=origin)
   print(json.dumps(dict(step=run.step, workdir=args.workdir,
                         last_loss=run.losses.get(run.step - 1))))
   return 0
+
+
+def _train_config(path: str, assignments: list[str]):
+  """The ``TrainConfig`` the ``config()`` of the Python file ``path``
+  returns, with ``--set`` ``assignments`` applied; whatever the user's code
+  raises is a usage error naming the file."""
+  import runpy
+  from specjax.training import train
+  if not os.path.isfile(path):
+    raise UsageError(f"--config {path!r} is not a file")
+  try:
+    module = runpy.run_path(path)
+  except Exception as e:
+    raise UsageError(f"cannot load --config {path!r}: "
+                     f"{type(e).__name__}: {e}") from None
+  if not callable(module.get("config")):
+    raise UsageError(f"--config {path!r} defines no config() function")
+  try:
+    cfg = module["config"]()
+  except Exception as e:
+    raise UsageError(f"--config {path!r}: config() raised "
+                     f"{type(e).__name__}: {e}") from None
+  if not isinstance(cfg, train.TrainConfig):
+    raise UsageError(f"--config {path!r}: config() must return a "
+                     "TrainConfig")
+  try:
+    return train.override(cfg, assignments)
+  except ValueError as e:
+    raise UsageError(str(e)) from None
 
 
 def _check_workdir(workdir: str) -> None:

@@ -8,13 +8,17 @@ Metrics go to ``workdir/metrics.jsonl`` (one line per logged step, appended,
 the file is truncated back to the restored step on resume; ``tokens_per_s``
 and ``elapsed_s`` count from the start of the process that logged them) and
 the trained head to ``workdir/head.npz`` (``export.save_head``; rewritten at every
-checkpoint, so an interrupted run leaves its newest head). ``setup`` and
+checkpoint, so an interrupted run leaves its newest head). ``config.json``
+holds the config the run started with: a resume with another one is refused
+unless asked for (``config_changes``), and every start appends what it ran
+(code, versions, config, origin) to ``provenance.jsonl``. ``setup`` and
 ``restore_params`` rebuild a run's pieces for evaluation (``evaluate``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -181,60 +185,159 @@ def override(cfg: TrainConfig, assignments: list[str]) -> TrainConfig:
   return dataclasses.replace(cfg, **changes)
 
 
-def lr_at(cfg: TrainConfig, count, total_steps):
+# Fields a resume may change freely: where the run computes (its mesh) and
+# its bookkeeping (how often it logs and saves, how many checkpoints it
+# keeps). Any other field changes what is trained.
+FREE_ON_RESUME = frozenset({"mesh", "log_every", "checkpoint_every", "keep"})
+
+
+class ConfigChanged(ValueError):
+  """A resume whose config differs from the run's: ``changes`` maps each
+  field to (the run's value, the new one)."""
+
+  def __init__(self, workdir, changes: dict):
+    self.workdir, self.changes = str(workdir), changes
+    super().__init__(f"{self.summary()}; pass allow_config_change=True to "
+                     "go on with the new ones")
+
+  def summary(self) -> str:
+    fields = ", ".join(f"{k} {a!r} -> {b!r}"
+                       for k, (a, b) in self.changes.items())
+    return (f"{self.workdir!r} holds a run started with other settings: "
+            f"{fields}")
+
+
+def config_changes(cfg: TrainConfig, workdir) -> dict:
+  """``{field: (the run's value, cfg's)}`` for each field outside
+  ``FREE_ON_RESUME`` on which ``cfg`` differs from the config the run in
+  ``workdir`` started with (its ``config.json``); empty for a new run. A
+  field the file predates counts as its default."""
+  path = pathlib.Path(workdir) / "config.json"
+  if not path.is_file():
+    return {}
+  try:
+    saved = json.loads(path.read_text())
+  except (OSError, UnicodeDecodeError, ValueError) as e:
+    raise ValueError(f"{str(path)!r} is not a run's config: {e}") from None
+  if not isinstance(saved, dict):
+    raise ValueError(f"{str(path)!r} is not a run's config: a JSON "
+                     f"{type(saved).__name__}")
+  defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+  return {k: (saved.get(k, defaults[k]), v)
+          for k, v in dataclasses.asdict(cfg).items()
+          if k not in FREE_ON_RESUME and saved.get(k, defaults[k]) != v}
+
+
+# The packages whose versions a run records.
+_VERSIONED = ("specjax", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint",
+              "numpy")
+
+
+def provenance() -> dict:
+  """What this process runs: the time, the code (the commit of the git
+  checkout specjax is imported from, and whether tracked files differ from
+  it; None when specjax is not imported from a checkout), the package
+  versions, Python and the devices."""
+  import importlib.metadata
+  import platform
+  import subprocess
+  root = pathlib.Path(__file__).resolve().parents[2]
+
+  def git(*args):
+    try:
+      out = subprocess.run(["git", "-C", str(root), *args], timeout=30,
+                           capture_output=True, text=True)
+    except (OSError, subprocess.SubprocessError):
+      return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+  commit = git("rev-parse", "HEAD") if (root / ".git").exists() else None
+  code = None if commit is None else dict(commit=commit, dirty=bool(
+      git("status", "--porcelain", "--untracked-files=no")))
+
+  def version(name):
+    try:
+      return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      return None
+
+  device = jax.devices()[0]
+  return dict(time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              code=code, versions={n: version(n) for n in _VERSIONED},
+              python=platform.python_version(),
+              devices=dict(kind=device.device_kind, count=jax.device_count(),
+                           processes=jax.process_count()))
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  """What the optimizer reads (``TrainConfig``'s fields of these names):
+  the compiled step's static argument, so each distinct value compiles
+  once and no other setting can reach the step unseen."""
+  variant: str  # which parameters stay frozen (``heads.FROZEN``)
+  lr: float
+  warmup: int
+  final_lr_fraction: float
+  weight_decay: float
+  clip_norm: float
+  b2: float
+
+  @classmethod
+  def of(cls, cfg: TrainConfig) -> "OptimizerConfig":
+    return cls(**{f.name: getattr(cfg, f.name)
+                  for f in dataclasses.fields(cls)})
+
+
+def lr_at(ocfg: OptimizerConfig, count, total_steps):
   """Learning rate at optimizer step ``count``: linear warmup from 0 to
-  ``cfg.lr`` over ``cfg.warmup`` steps, then a cosine down to ``lr *
+  ``lr`` over ``warmup`` steps, then a cosine down to ``lr *
   final_lr_fraction`` at ``total_steps``. ``total_steps`` may be traced: the
   run's length is data to the compiled step, so one compile serves runs of
   any length (``gpu_kit``'s timing probe and the run it sizes)."""
-  warm = max(cfg.warmup, 1)
+  warm = max(ocfg.warmup, 1)
   decay = jnp.maximum(total_steps, warm + 1) - warm
   t = jnp.clip(count - warm, 0, decay) / decay
-  floor = cfg.final_lr_fraction
+  floor = ocfg.final_lr_fraction
   cosine = floor + (1 - floor) * 0.5 * (1 + jnp.cos(jnp.pi * t))
-  return cfg.lr * jnp.where(count < warm, count / warm, cosine)
+  return ocfg.lr * jnp.where(count < warm, count / warm, cosine)
 
 
-def optimizer(cfg: TrainConfig, params, total_steps=None
+def optimizer(ocfg: OptimizerConfig, params, total_steps
               ) -> optax.GradientTransformation:
-  """Clip -> AdamW(warmup-cosine over ``total_steps``, default
-  ``cfg.steps``); copies of target weights stay frozen. The state's
-  structure does not depend on ``total_steps``."""
-  total = cfg.steps if total_steps is None else total_steps
-  train = optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
-                      optax.adamw(lambda c: lr_at(cfg, c, total), b1=0.9,
-                                  b2=cfg.b2, weight_decay=cfg.weight_decay))
-  frozen = FROZEN[cfg.variant]
+  """Clip -> AdamW(warmup-cosine over ``total_steps``); copies of target
+  weights stay frozen. The state's structure does not depend on
+  ``total_steps``."""
+  train = optax.chain(optax.clip_by_global_norm(ocfg.clip_norm),
+                      optax.adamw(lambda c: lr_at(ocfg, c, total_steps),
+                                  b1=0.9, b2=ocfg.b2,
+                                  weight_decay=ocfg.weight_decay))
+  frozen = FROZEN[ocfg.variant]
   labels = {k: ("frozen" if k in frozen else "train") for k in params}
   return optax.multi_transform(
       {"train": train, "frozen": optax.set_to_zero()}, labels)
 
 
-# What the compiled step depends on besides shapes: the optimizer's settings.
-_OPTIMIZER_FIELDS = ("variant", "lr", "warmup", "final_lr_fraction",
-                     "weight_decay", "clip_norm", "b2")
-_step_fns: dict = {}
+def init_state(cfg: TrainConfig, params) -> dict:
+  """``{"params", "opt"}``: a run's state before its first step."""
+  opt = optimizer(OptimizerConfig.of(cfg), params, cfg.steps)
+  return {"params": params, "opt": opt.init(params)}
 
 
-def train_step(cfg: TrainConfig, hcfg: HeadConfig, K: int, rows: int):
-  """The jitted ``(state, batch, embed_VD, total_steps) -> (state, loss,
-  metrics, grad_norm)`` for TTT length ``K`` over ``rows`` LM-head rows.
-  One per process for each such program (not per ``train`` call): a second
-  run with other ``steps`` or logging reuses the first one's compile."""
-  key = (hcfg, K, rows, *(getattr(cfg, f) for f in _OPTIMIZER_FIELDS))
-  if key not in _step_fns:
-    @jax.jit
-    def step_fn(state, batch, embed_VD, total_steps):
-      params = state["params"]
-      (loss, m), g = jax.value_and_grad(
-          lambda p: head_loss(p, hcfg, embed_VD, batch, K, rows=rows),
-          has_aux=True)(params)
-      upd, opt_state = optimizer(cfg, params, total_steps).update(
-          g, state["opt"], params)
-      return ({"params": optax.apply_updates(params, upd), "opt": opt_state},
-              loss, m, optax.tree.norm(g))
-    _step_fns[key] = step_fn
-  return _step_fns[key]
+@functools.partial(jax.jit, static_argnames=("ocfg", "hcfg", "K", "rows"))
+def train_step(state, batch, embed_VD, total_steps, *, ocfg: OptimizerConfig,
+               hcfg: HeadConfig, K: int, rows: int):
+  """One optimizer step, ``(state, loss, metrics, grad_norm)``, for TTT
+  length ``K`` over ``rows`` LM-head rows. Compiled once per process for
+  each (shapes, ``ocfg``, ``hcfg``, K, rows): a second run with other
+  ``steps`` or logging reuses the first one's program."""
+  params = state["params"]
+  (loss, m), g = jax.value_and_grad(
+      lambda p: head_loss(p, hcfg, embed_VD, batch, K, rows=rows),
+      has_aux=True)(params)
+  upd, opt_state = optimizer(ocfg, params, total_steps).update(
+      g, state["opt"], params)
+  return ({"params": optax.apply_updates(params, upd), "opt": opt_state},
+          loss, m, optax.tree.norm(g))
 
 
 def init_head(key, hcfg: HeadConfig, target: Target, target_params,
@@ -405,15 +508,23 @@ def _restore(mngr, step: int, like):
 
 def restore_params(workdir, step: int, s: Setup, cfg: TrainConfig):
   """The head params saved at ``step`` in ``workdir``."""
-  like = {"params": s.params, "opt": optimizer(cfg, s.params).init(s.params)}
+  like = init_state(cfg, s.params)
   return _restore(checkpoints(workdir), step, like)["params"]
 
 
 def train(cfg: TrainConfig, workdir: str, *, model=None,
           examples: Optional[edata.Examples] = None, stop_after: Optional[int]
-          = None, deadline: Optional[float] = None, progress: bool = True
+          = None, deadline: Optional[float] = None, progress: bool = True,
+          allow_config_change: bool = False, origin: Optional[dict] = None
           ) -> Run:
   """Trains (or resumes) a head; see the module doc.
+
+  A resume whose ``cfg`` differs from the run's (``config_changes``)
+  raises ``ConfigChanged`` before anything runs, unless
+  ``allow_config_change``: then ``config.json`` becomes ``cfg``. Every
+  start appends a line to ``workdir/provenance.jsonl``: the step it
+  starts from, the config, the fields it changed, ``provenance()`` and
+  ``origin`` (the CLI's: the config file, its digest and the overrides).
 
   ``model``/``examples`` override loading (tests); ``stop_after`` ends the
   process-level run early at that step, as an interruption would.
@@ -430,11 +541,14 @@ def train(cfg: TrainConfig, workdir: str, *, model=None,
   work = pathlib.Path(workdir).absolute()
   lead = jax.process_index() == 0  # the process that writes files
   work.mkdir(parents=True, exist_ok=True)
+  changes = config_changes(cfg, work)
+  if changes and not allow_config_change:
+    raise ConfigChanged(work, changes)
   if lead:
     _write_atomic(work / "config.json",
                   json.dumps(dataclasses.asdict(cfg), indent=1))
   s = setup(cfg, model=model, examples=examples, progress=progress)
-  state = {"params": s.params, "opt": optimizer(cfg, s.params).init(s.params)}
+  state, ocfg = init_state(cfg, s.params), OptimizerConfig.of(cfg)
   mesh = s.model.mesh
   if mesh is not None:  # data-parallel: every device holds the whole head
     state = sharding.replicate(state, mesh)
@@ -447,6 +561,9 @@ def train(cfg: TrainConfig, workdir: str, *, model=None,
   metrics_path = work / "metrics.jsonl"
   if lead:
     _truncate_metrics(metrics_path, start)
+    _append_lines(work / "provenance.jsonl", [json.dumps(dict(
+        start_step=start, config=dataclasses.asdict(cfg), changed=changes,
+        **(origin or {}), **provenance()))])
   train_ex, get_batch = _batches(cfg, s, work, progress)
 
   losses, stopped = {}, ""
@@ -460,14 +577,14 @@ def train(cfg: TrainConfig, workdir: str, *, model=None,
     # One compile per (TTT length or Medusa depths, bucket of assistant
     # positions).
     K = s.hcfg.medusa_heads or cfg.ttt_at(step)
-    step_fn = train_step(cfg, s.hcfg, K, loss_rows(
-        ex.mask, cfg.batch_size * cfg.rows_bucket))
+    rows = loss_rows(ex.mask, cfg.batch_size * cfg.rows_bucket)
     batch = get_batch(idx, ex)
     if mesh is not None:  # rows over the data axis
       batch = sharding.shard_batch(batch, mesh)
     embed_VD = s.model.target.embedding(s.model.params)
-    new, loss, m, gnorm = step_fn(state, batch, embed_VD,
-                                  np.int32(cfg.steps))
+    new, loss, m, gnorm = train_step(state, batch, embed_VD,
+                                     np.int32(cfg.steps), ocfg=ocfg,
+                                     hcfg=s.hcfg, K=K, rows=rows)
     loss = float(sharding.to_host(loss))  # the one sync a step needs
     if not applies(loss):
       end, stopped = step, f"non-finite loss at step {step + 1}"
