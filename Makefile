@@ -31,22 +31,21 @@ LLAMACPP_CMAKE := -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF \
   -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF
 
 # The native CPU kernels (specjax/kernels/native.py: a small-row matmul and decode
-# attention) are compiled against the installed jaxlib's FFI headers; if they
-# cannot be built, specjax warns once at run time and uses XLA's ops.
+# attention) build with the package (setup.py), so the editable install below
+# compiles them; this rule only recompiles them when their sources change. If
+# they cannot be built, specjax warns once at run time and uses XLA's ops.
 NATIVE := specjax/kernels/_native.so
-KERNELS := specjax/kernels/small_gemm.cc specjax/kernels/attention.cc
-CXX    ?= g++
+KERNELS := specjax/kernels/small_gemm.cc specjax/kernels/attention.cc \
+           specjax/kernels/common.h setup.py
 
 .PHONY: demo test test-long install
 
 install: $(STAMP) $(NATIVE) $(CONVERTER)
 
-$(NATIVE): $(KERNELS) specjax/kernels/common.h $(STAMP)
-	$(CXX) -O3 -fno-trapping-math -std=c++17 -shared -fPIC \
-	  -isystem "$$($(BIN)/python -c 'import jax; print(jax.ffi.include_dir())')" \
-	  $(KERNELS) -o $@ || echo "specjax: warning: $(NATIVE) not built; XLA's ops are used"
+$(NATIVE): $(KERNELS) | $(STAMP)
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 
-$(STAMP): setup.cfg pyproject.toml Makefile
+$(STAMP): setup.cfg setup.py pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev]'

@@ -20,7 +20,7 @@ ROWS = [1, 2, 3, 5, 6, 7, 8, 13, 16, 31, 64]
 def test_small_matmul_equals_xla_dot(K, N):
   """Invariant: for M = 1..64 rows (every register-block remainder) the
   kernel's product equals XLA's ``x @ W`` to 1e-5 relative (f32)."""
-  assert native.available(), "built by `make install`"
+  assert native.available(), "built with the package (setup.py)"
   rng = np.random.default_rng(K * N)
   w = jnp.asarray(rng.standard_normal((K, N)), jnp.float32)
   packed = native.pack(w)

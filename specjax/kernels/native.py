@@ -17,8 +17,9 @@ Each kernel runs the widest of its AVX-512, AVX2 + FMA and plain C++
 variants that the CPU has (``isa()``; ``SPECJAX_NATIVE_ISA=avx2`` or
 ``generic`` caps it, read once a process).
 
-The shared library is built by the README's set-up command (``make
-install``: ``g++`` against ``jax.ffi.include_dir()``). When it is missing or
+The shared library builds with the package (``setup.py``: ``pip install``
+of the repository, a wheel or ``make install``, against jaxlib's FFI
+headers). When it is missing or
 fails to load, or ``SPECJAX_NATIVE=0`` is set, ``available()`` is False with
 one warning line saying why, ``small_matmul`` computes the same product
 with XLA on the packed layout and ``decoder.forward`` uses XLA's attention.
@@ -79,7 +80,8 @@ def _load():
   if os.environ.get("SPECJAX_NATIVE", "1") == "0":
     return "SPECJAX_NATIVE=0"
   if not LIBRARY.is_file():
-    return f"{LIBRARY.name} not built: run `make install`"
+    return (f"{LIBRARY.name} not built when specjax was installed (no "
+            "C++17 compiler, or its build failed); reinstall with g++")
   try:
     lib = ctypes.cdll.LoadLibrary(str(LIBRARY))
     for target, fn in ((TARGET, lib.SpecjaxSmallGemm),
