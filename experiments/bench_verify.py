@@ -1,4 +1,4 @@
-"""Verify cost on this CPU: XLA's dot against the native small matmul (issue 17).
+"""Verify cost on this CPU: XLA's dot against the native small matmul.
 
   .venv/bin/python experiments/bench_verify.py --level forward --batch 1,8
   .venv/bin/python experiments/bench_verify.py --level matmul --rows 1,2,4,8,16

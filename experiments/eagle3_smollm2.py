@@ -3,8 +3,7 @@
   specjax train --config experiments/eagle3_smollm2.py --workdir runs/e3
   specjax train --config experiments/eagle3_smollm2.py --set steps=50 --workdir /tmp/e3
 
-Sized for the first, slower 2-core VM
-(../shared/research/eagle3_cpu_calibration.md):
+Sized for the first, slower 2-core VM (calibrated there):
 ~2 h of training with the CPU to itself (~5.6 s per TTT-3 step, ~9 s per
 TTT-7 step), ~1.1M tokens. Vd 16384 covers ~97% of assistant tokens;
 TTT 3 for the first 85% of steps (twice the throughput, and at this accuracy

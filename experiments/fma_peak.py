@@ -1,5 +1,5 @@
 """This CPU's peak FMA rate (AVX2's 8-wide, AVX-512's 16-wide where it has
-them), and the compute floor it puts under a forward over T tokens (issue 17).
+them), and the compute floor it puts under a forward over T tokens.
 
   .venv/bin/python experiments/fma_peak.py
 

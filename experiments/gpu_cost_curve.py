@@ -1,4 +1,4 @@
-"""Verify-cost curve on whatever device JAX runs on (a lent GPU, issue 21).
+"""Verify-cost curve on whatever device JAX runs on (a lent GPU).
 
   python experiments/gpu_cost_curve.py --out cost_curve.json
   python experiments/gpu_cost_curve.py --shapes tiny --repeats 5   # a CPU try

@@ -1,4 +1,4 @@
-"""What ``gpu_kit`` runs on the lent GPU machine, call by call (issue 21).
+"""What ``gpu_kit`` runs on the lent GPU machine, call by call.
 
 Call 1, ``first`` (carrying part 1 only): first contact, then the
 measurements that need no data. Each phase prints its seconds and lands in
@@ -530,8 +530,8 @@ def score(run, heldout, result: dict, out: pathlib.Path) -> None:
   (out / "result.json").write_text(json.dumps(result, indent=1))
 
 
-# What the lease times against AR: the chain and the trees issue 18 measured
-# on the CPU (the static tree `theory.best_tree` proposes at 7 nodes, and
+# What the lease times against AR: the chain and the trees measured on the
+# CPU (the static tree `theory.best_tree` proposes at 7 nodes, and
 # EAGLE-2 dynamic trees of 7 and 16 nodes).
 DECODE_SPECS = (("eagle3", dict(num_draft=7)),
                 ("eagle3_static7", dict(tree_shape="0,1,2,0.0,0.1,1.0,0.0.0")),

@@ -1,4 +1,4 @@
-"""A GPU lease, planned before it comes (issue 21): which device call carries
+"""A GPU lease, planned before it comes: which device call carries
 which part of the kit, what each runs, how long each should take, and
 whether the whole sequence fits the lease with time to spare.
 

@@ -1,4 +1,4 @@
-"""What a device mesh costs on this CPU (issue 19): compile time, time per
+"""What a device mesh costs on this CPU: compile time, time per
 decode step and the collectives in the program, one device vs forced meshes.
 
   .venv/bin/python experiments/sharded_overhead.py --devices 8 \

@@ -1,5 +1,5 @@
 """τ of the n-gram drafter's chain and tries at T = 0, replayed offline on
-greedy output (issue 18: tries should reach the chain's τ + 0.2).
+greedy output (the aim: tries reach the chain's τ + 0.2).
 
   .venv/bin/python experiments/trie_acceptance.py --dataset mtbench
   .venv/bin/python experiments/trie_acceptance.py --dataset humaneval

@@ -1,4 +1,4 @@
-"""EAGLE-3 head warm start (issue 18 item 8): held-out acceptance of the two
+"""EAGLE-3 head warm start: held-out acceptance of the two
 initializations, at step 0 and after N training steps of the same recipe.
 
   .venv/bin/python experiments/warm_start.py --steps 0 \

@@ -1,4 +1,4 @@
-"""bf16 models on the CPU (issue 19, accelerator readiness): every method
+"""bf16 models on the CPU (accelerator readiness): every method
 runs, T = 0 equals the bf16 model's own AR output, probabilities stay f32,
 and sampled speculative output still follows the bf16 target exactly."""
 

@@ -502,7 +502,7 @@ def test_leviathan_with_real_head_draft_probabilities(tmp_path):
 
 @pytest.mark.long
 def test_warm_layer_starts_as_the_target_layer_the_high_tap_feeds(tmp_path):
-  """Invariant (issue 18's warm start): with the high tap feeding the
+  """Invariant (the warm start): with the high tap feeding the
   target's last layer, a warm-started EAGLE-3 head over a causal sequence
   reads out exactly the target's logits (restricted to Vd), whatever tokens
   it is given -- its layer is that target layer on the tapped stream, the

@@ -1,4 +1,4 @@
-"""What a library others build on must survive (issue 19): non-finite logits,
+"""What a library others build on must survive: non-finite logits,
 batch composition, random shapes and degenerate distributions through the
 verifiers, damaged head files."""
 

@@ -1,4 +1,4 @@
-"""Decoding on device meshes (issue 19): sharded = one device, token for token;
+"""Decoding on device meshes: sharded = one device, token for token;
 every array laid out as intended; mesh specs and their errors."""
 
 import json

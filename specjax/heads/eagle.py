@@ -1,7 +1,7 @@
 """The EAGLE-3 draft head (Flax): fused target features -> one decoder layer.
 
-Follows the released reference code where it differs from the paper
-(../shared/research/eagle3.md §1): the attention input is the 2D-wide
+Follows the released reference code (SafeAILab/EAGLE) where it differs from
+the paper: the attention input is the 2D-wide
 ``concat(in_norm(embed(token)), hidden_norm(h))`` (no second FC), the residual
 is the un-normalized ``h``, logits are ``lm_head(norm(out))`` over the draft
 vocabulary Vd, and the token embedding is the target's, passed in frozen (it

@@ -1,5 +1,5 @@
 // y[M, N] = x[M, K] @ W for a few rows M, on the CPU, as an XLA FFI custom
-// call (issue 17). Decode and verify forwards multiply a handful of rows by
+// call. Decode and verify forwards multiply a handful of rows by
 // weights far larger than the caches, so the time is the weight read: the
 // kernel streams each weight once and keeps every row's partial sums in
 // registers.
