@@ -4,13 +4,13 @@
       --temperature 0 eagle3:k=7 eagle3:k=7:conf=0.4 ngram:k=5 \
       --json experiments/results/bench_eagle.jsonl --journal runs/mt_t0.journal
 
-`specjax bench` gives every method of one invocation the same knobs; here each
-positional spec is NAME[:k=K][:nodes=M][:width=W][:shape=S][:conf=C]
-[:layers=L][:head=P] (conf is min_confidence, nodes and width the tree's
-size and branching, shape a static tree as in --tree-shape, head a head
-file), so e.g. fixed and dynamic K, chain, dynamic and static trees, or two
-heads, share the AR baseline of one run. Prints and appends one JSON line per
-spec (the `specjax.measure.bench` contract; `config` records the knobs).
+Each positional spec is a method in the library's grammar,
+NAME[:key=value...] (``specjax.drafters.methods.KNOBS``: k, nodes, width,
+shape, lookup, layers, conf, draft, head, conversations), so e.g. fixed and
+dynamic K, chain, dynamic and static trees, or two heads, share the AR
+baseline of one run (``specjax bench --method`` takes the same specs).
+Prints and appends one JSON line per spec (the `specjax.measure.bench`
+contract; `config` records the knobs).
 """
 
 from __future__ import annotations
@@ -21,25 +21,6 @@ import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-_KEYS = {"k": ("num_draft", int), "conf": ("min_confidence", float),
-         "nodes": ("tree_nodes", int), "width": ("tree_width", int),
-         "layers": ("layers", int), "head": ("head", str),
-         "shape": ("tree_shape", str), "lookup": ("lookup_nodes", int)}
-
-
-def parse_spec(text: str):
-  from specjax.drafters.methods import MethodSpec
-  name, *knobs = text.split(":")
-  kw = {}
-  for knob in knobs:
-    key, _, value = knob.partition("=")
-    if key not in _KEYS:
-      raise SystemExit(f"bench_methods: unknown knob {key!r} in {text!r} "
-                       f"(one of {', '.join(_KEYS)})")
-    field, kind = _KEYS[key]
-    kw[field] = kind(value)
-  return MethodSpec(name=name, **kw)
 
 
 def main(argv=None):
@@ -72,7 +53,10 @@ def main(argv=None):
   from specjax.measure import bench
   from specjax.models.decoder import is_packed
   from specjax.models.registry import load_model
-  specs = [parse_spec(s) for s in args.specs]
+  try:
+    specs = [methods.MethodSpec.parse(s) for s in args.specs]
+  except methods.MethodError as e:
+    raise SystemExit(f"bench_methods: {e}") from None
   from specjax.core.sharding import make_mesh, on_mesh
   mesh = make_mesh(args.mesh) if args.mesh else None
   model = on_mesh(load_model("smollm2-135m",

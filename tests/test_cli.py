@@ -377,3 +377,30 @@ def test_non_finite_logits_say_so_and_exit_1(capsys, tmp_path):
                      "stops there"], lines
     if mode:
       assert json.loads(proc.stdout)["stop_reason"] == "nonfinite"
+
+
+def test_methods_take_their_own_knobs_on_the_command_line(capsys):
+  """Invariants: ``bench --method`` repeats and splits on commas, each
+  method with knobs of its own in the library's grammar and the flags
+  filling the knobs it does not set; a knob set by both a flag and a
+  method's text is one line naming both; ``--help`` lists every key of
+  the grammar with the field it sets."""
+  from specjax.cli.main import UsageError, _build_parser, _method_specs
+  from specjax.drafters.methods import KNOBS
+  args = _build_parser().parse_args([
+      "bench", "--method", "eagle3:k=7", "--method",
+      "eagle3:nodes=7:k=4,ngram", "--num-draft", "5"])
+  with pytest.raises(UsageError) as e:
+    _method_specs(args)
+  assert "--num-draft and --method 'eagle3:k=7' both set num_draft" in str(
+      e.value)
+  args = _build_parser().parse_args([
+      "bench", "--method", "eagle3:k=7", "--method",
+      "eagle3:nodes=7:k=4,ngram", "--tree-width", "2"])
+  assert [s.text() for s in _method_specs(args)] == [
+      "eagle3:k=7:width=2", "eagle3:nodes=7:width=2", "ngram:width=2"]
+  _assert_usage_error(_main(capsys, "bench", "--method", "ngram:k=x"),
+                      "k must be an integer, got 'x'")
+  help_text = " ".join(_main(capsys, "bench", "--help").stdout.split())
+  for key, field in KNOBS.items():
+    assert f"{key}: {field}" in help_text

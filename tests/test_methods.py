@@ -133,3 +133,51 @@ def test_decoding_does_not_import_training():
   out = subprocess.run([sys.executable, "-c", code], capture_output=True,
                        text=True, check=True).stdout.strip()
   assert out == "", f"decoding imports training code: {out}"
+
+
+# Every method, and every key of the grammar at least once.
+GRAMMAR = ["ar", "ngram", "ngram:k=5:nodes=8:width=2", "retrieval:k=3:nodes=6",
+           "ngram+retrieval:nodes=8:width=3:conversations=300",
+           "draft:draft=models/d.gguf:conf=0.5", "layerskip:layers=20:conf=0.6",
+           "eagle:k=5", "eagle3:k=4:nodes=7:width=2",
+           "eagle3:k=5:shape=2x2x1:lookup=8:head=runs/e3/head.npz",
+           "eagle3:shape=0,1,2,0.0", "medusa:shape=2x2x1"]
+
+
+@pytest.mark.parametrize("text", GRAMMAR)
+def test_the_method_grammar_round_trips(text):
+  """Invariant: ``MethodSpec.parse`` and ``MethodSpec.text`` are inverse
+  (text -> spec -> text -> the same spec), and every key sets the field
+  ``methods.KNOBS`` names."""
+  spec = methods.MethodSpec.parse(text)
+  assert methods.MethodSpec.parse(spec.text()) == spec
+  name, knobs = methods.parse_knobs(text)
+  assert spec.name == name
+  for field, value in knobs.items():
+    if field not in ("num_draft", "tree_nodes") or not spec.tree_shape:
+      assert getattr(spec, field) == value, field  # a shape sets both
+
+
+def test_the_grammar_covers_every_key():
+  keys = {k.partition("=")[0] for t in GRAMMAR for k in t.split(":")[1:]}
+  assert keys == set(methods.KNOBS)
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("nope:k=2", "unknown method 'nope'"),
+    ("eagle3:foo=1", "got 'foo=1'"),
+    ("eagle3:k", "got 'k'"),
+    ("eagle3:k=1.5", "k must be an integer, got '1.5'"),
+    ("eagle3:conf=high", "conf must be a number, got 'high'"),
+    ("eagle3:k=2:k=3", "k given twice"),
+    ("ngram:head=h.npz", "head is for eagle, eagle3, medusa; ngram would"),
+    ("eagle3:layers=3", "layers is for layerskip; eagle3 would"),
+    ("ar:k=3", "k is for draft, eagle"),
+    ("eagle3:shape=1000x1000", "nodes"),
+])
+def test_a_bad_method_is_one_error_naming_the_knob(text, needle):
+  """Invariant: each bad spec raises one MethodError that names the key
+  (or the method) and the value."""
+  with pytest.raises(methods.MethodError) as e:
+    methods.MethodSpec.parse(text)
+  assert needle in str(e.value) and "\n" not in str(e.value)

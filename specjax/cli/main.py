@@ -18,7 +18,7 @@ import jinja2
 from typing import Optional, Sequence
 
 from specjax.core.runner import DoesNotFit
-from specjax.drafters.methods import METHODS
+from specjax.drafters.methods import KNOBS, METHODS
 
 EXIT_USAGE = 2
 EXIT_NONFINITE = 1  # the model's logits turned NaN or inf (output kept)
@@ -117,9 +117,16 @@ def _build_parser() -> argparse.ArgumentParser:
 def _add_model_args(p, several: bool = False):
   p.add_argument("--model", default="smollm2-135m",
                  help="known name (smollm2-135m), a .gguf file or an HF dir")
-  p.add_argument("--method", default="ngram" if several else "ar",
-                 help=f"one of {', '.join(METHODS)}"
-                 + (" (comma-separated for several)" if several else ""))
+  p.add_argument("--method", action="append" if several else None,
+                 default=None if several else "ar",
+                 metavar="NAME[:key=value...]",
+                 help=f"a method, one of {', '.join(METHODS)}, with knobs of "
+                 f"its own ({', '.join(f'{k}: {f}' for k, f in KNOBS.items())}"
+                 "; e.g. eagle3:k=5:shape=2x2x1); the flags below set the "
+                 "knobs a method does not set itself"
+                 + ("; repeat it or separate methods by commas to compare "
+                    "several (default ngram)" if several else
+                    " (default ar)"))
   p.add_argument("--num-draft", type=int, default=None,
                  help="K, drafts per verify step (speculative methods; "
                  "default 4)")
@@ -170,9 +177,29 @@ def _add_sampling_args(p):
   p.add_argument("--seed", type=int, default=0)
 
 
+# Each flag that sets a MethodSpec field, by the field.
+_FLAGS = {"num_draft": "--num-draft", "tree_nodes": "--tree-nodes",
+          "tree_width": "--tree-width", "tree_shape": "--tree-shape",
+          "lookup_nodes": "--lookup-nodes", "layers": "--layers",
+          "min_confidence": "--min-confidence", "draft_model": "--draft-model",
+          "head": "--head"}
+
+
+def _method_texts(args) -> list[str]:
+  """The methods ``--method`` names (once, repeated or comma-separated)."""
+  given = args.method or ["ngram"]
+  items = [given] if isinstance(given, str) else given
+  return [m.strip() for item in items for m in item.split(",")]
+
+
 def _method_specs(args) -> list:
-  from specjax.drafters.methods import HEADS, MethodSpec
-  names = [m.strip() for m in args.method.split(",")]
+  from specjax.drafters.methods import HEADS, MethodError, MethodSpec, parse_knobs
+  texts = _method_texts(args)
+  try:
+    parsed = [parse_knobs(t) for t in texts]
+  except MethodError as e:
+    raise UsageError(str(e)) from None
+  names = [name for name, _ in parsed]
   for flag, value, users in (
       ("--head", args.head, HEADS), ("--draft-model", args.draft_model,
                                      ("draft",)),
@@ -181,32 +208,38 @@ def _method_specs(args) -> list:
       ("--tree-nodes", args.tree_nodes, set(METHODS) - {"ar"})):
     if value and not set(names) & set(users):
       raise UsageError(f"{flag} is for --method {', '.join(sorted(users))}; "
-                       f"--method {args.method} would ignore it")
-  num_draft = 4 if args.num_draft is None else args.num_draft
+                       f"--method {','.join(texts)} would ignore it")
+  flags = dict(num_draft=4 if args.num_draft is None else args.num_draft,
+               tree_nodes=args.tree_nodes, tree_width=args.tree_width,
+               tree_shape=args.tree_shape, lookup_nodes=args.lookup_nodes,
+               layers=args.layers, min_confidence=args.min_confidence,
+               draft_model=args.draft_model, head=args.head)
   specs = []
-  for name in names:
-    if name not in METHODS:
-      raise UsageError(f"unknown method {name!r} "
-                       f"(choose from {', '.join(METHODS)})")
-    if name != "ar" and num_draft < 1:
-      raise UsageError(f"--num-draft must be >= 1, got {num_draft}")
-    if args.tree_nodes < 0:
-      raise UsageError(f"--tree-nodes must be >= 0, got {args.tree_nodes}")
-    if args.tree_width < 1:
-      raise UsageError(f"--tree-width must be >= 1, got {args.tree_width}")
-    if not 0.0 <= args.min_confidence < 1.0:
-      raise UsageError(f"--min-confidence must be in [0, 1), got "
-                       f"{args.min_confidence}")
+  for text, (name, knobs) in zip(texts, parsed):
+    for field in knobs:
+      if (args.num_draft is not None if field == "num_draft" else
+          getattr(args, field) != getattr(MethodSpec, field)):
+        raise UsageError(f"{_FLAGS[field]} and --method {text!r} both set "
+                         f"{field}; give it once")
+    values = {**flags, **knobs}
+    _check_values(name, values)
     try:
-      specs.append(MethodSpec(
-          name=name, num_draft=num_draft, tree_nodes=args.tree_nodes,
-          tree_width=args.tree_width, tree_shape=args.tree_shape,
-          lookup_nodes=args.lookup_nodes, layers=args.layers,
-          min_confidence=args.min_confidence, draft_model=args.draft_model,
-          head=args.head))
+      specs.append(MethodSpec(name=name, **values))
     except ValueError as e:
       raise UsageError(str(e)) from None
   return specs
+
+
+def _check_values(name: str, values: dict) -> None:
+  if name != "ar" and values["num_draft"] < 1:
+    raise UsageError(f"--num-draft must be >= 1, got {values['num_draft']}")
+  if values["tree_nodes"] < 0:
+    raise UsageError(f"--tree-nodes must be >= 0, got {values['tree_nodes']}")
+  if values["tree_width"] < 1:
+    raise UsageError(f"--tree-width must be >= 1, got {values['tree_width']}")
+  if not 0.0 <= values["min_confidence"] < 1.0:
+    raise UsageError(f"--min-confidence must be in [0, 1), got "
+                     f"{values['min_confidence']}")
 
 
 def _build(model, spec):

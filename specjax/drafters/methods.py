@@ -26,6 +26,58 @@ class MethodError(ValueError):
   """A method name or knob that cannot work with this model."""
 
 
+# The method grammar, ``NAME[:key=value...]`` (e.g. ``eagle3:k=5:shape=2x2x1:
+# lookup=8``): each key and the ``MethodSpec`` field it sets.
+KNOBS = {"k": "num_draft", "nodes": "tree_nodes", "width": "tree_width",
+         "shape": "tree_shape", "lookup": "lookup_nodes", "layers": "layers",
+         "conf": "min_confidence", "draft": "draft_model", "head": "head",
+         "conversations": "datastore_conversations"}
+
+
+def parse_knobs(text: str) -> tuple[str, dict]:
+  """``(name, {field: value})`` of a method in the grammar (``KNOBS``),
+  each value typed as its field; ``MethodError`` names what is wrong."""
+  name, *knobs = text.strip().split(":")
+  if name not in METHODS:
+    raise MethodError(f"unknown method {name!r} in {text!r} (choose from "
+                      f"{', '.join(METHODS)})")
+  kinds = _field_kinds()
+  fields = {}
+  for knob in knobs:
+    key, sep, value = knob.partition("=")
+    if not sep or key not in KNOBS:
+      raise MethodError(f"method {text!r}: expected key=value with key one "
+                        f"of {', '.join(KNOBS)}, got {knob!r}")
+    if KNOBS[key] in fields:
+      raise MethodError(f"method {text!r}: {key} given twice")
+    readers = (set(METHODS) - {"ar"}) if name == "ar" else _READERS.get(key)
+    if readers is not None and name not in readers:
+      raise MethodError(f"method {text!r}: {key} is for "
+                        f"{', '.join(sorted(readers))}; {name} would ignore "
+                        "it")
+    kind = kinds[KNOBS[key]]
+    try:
+      fields[KNOBS[key]] = kind(value)
+    except ValueError:
+      what = {int: "an integer", float: "a number"}[kind]
+      raise MethodError(f"method {text!r}: {key} must be {what}, got "
+                        f"{value!r}") from None
+  return name, fields
+
+
+# Knobs that only some methods read (the others are checked by ``build``).
+_READERS = {"head": ("eagle", "eagle3", "medusa"), "draft": ("draft",),
+            "layers": ("layerskip",)}
+
+
+def _field_kinds() -> dict:
+  """Each ``MethodSpec`` field's value type (``Optional[int]`` -> int)."""
+  import typing
+  hints = typing.get_type_hints(MethodSpec)
+  return {f: next((a for a in typing.get_args(t) if a is not type(None)), t)
+          for f, t in hints.items()}
+
+
 @dataclasses.dataclass(frozen=True)
 class MethodSpec:
   """A method and its knobs.
@@ -82,6 +134,25 @@ class MethodSpec:
       object.__setattr__(self, "tree_nodes", nodes)
       object.__setattr__(self, "num_draft", max(
           shape.max_depth, self.num_draft if self.lookup_nodes > 0 else 0))
+
+  @classmethod
+  def parse(cls, text: str) -> "MethodSpec":
+    """The spec written ``text`` in the method grammar (``KNOBS``)."""
+    name, fields = parse_knobs(text)
+    return cls(name=name, **fields)
+
+  def text(self) -> str:
+    """This spec in the method grammar: its name and each knob that differs
+    from the default (``MethodSpec.parse(spec.text()) == spec``)."""
+    parts = [self.name]
+    for key, field in KNOBS.items():
+      value = getattr(self, field)
+      if value != getattr(MethodSpec, field):
+        if ":" in str(value):
+          raise MethodError(f"{field} {value!r} holds a ':', which the "
+                            "method grammar cannot write")
+        parts.append(f"{key}={value}")
+    return ":".join(parts)
 
   @property
   def k(self) -> int:
