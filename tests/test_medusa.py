@@ -209,6 +209,6 @@ def test_trainer_trains_medusa_and_methods_load_it(tmp_path):
       (methods.MethodSpec("medusa", num_draft=3, tree_nodes=4, head=head),
        "static"),
       (methods.MethodSpec("medusa"), "no medusa head ships"),
-      (methods.MethodSpec("eagle3", head=head), "use --method medusa")):
+      (methods.MethodSpec("eagle3", head=head), "use method medusa")):
     with pytest.raises(methods.MethodError, match=why):
       methods.build(model, spec)

@@ -53,14 +53,23 @@ def test_draft_model_must_share_the_tokenizer(smollm2, monkeypatch, change,
 
 
 def test_unknown_method_and_bad_knobs(smollm2):
-  """Invariants: unknown names, K < 1 and impossible layer-skip depths are
-  MethodErrors; "ar" builds no drafter."""
+  """Invariants: unknown names and values out of range are MethodErrors
+  naming the field when the spec is made (one place for its checks), an
+  impossible layer-skip depth when it is built; "ar" builds no drafter."""
   assert methods.build(smollm2, methods.MethodSpec("ar")) == (None, None)
-  for spec, needle in ((methods.MethodSpec("medusa9"), "unknown method"),
-                       (methods.MethodSpec("ngram", num_draft=0), "--num-draft"),
-                       (methods.MethodSpec("layerskip", layers=30), "< 30")):
+  for kw, needle in ((dict(name="medusa9"), "unknown method"),
+                     (dict(name="ngram", num_draft=0), "num_draft must be"),
+                     (dict(name="ngram", tree_nodes=-1), "tree_nodes must be"),
+                     (dict(name="eagle3", tree_width=0), "tree_width must be"),
+                     (dict(name="eagle3", lookup_nodes=-2), "lookup_nodes"),
+                     (dict(name="eagle3", min_confidence=1.0),
+                      r"min_confidence must be in \[0, 1\)")):
     with pytest.raises(methods.MethodError, match=needle):
-      methods.build(smollm2, spec)
+      methods.MethodSpec(**kw)
+  with pytest.raises(TypeError, match="num_draft must be an int"):
+    methods.MethodSpec("ngram", num_draft=4.0)
+  with pytest.raises(methods.MethodError, match="< 30"):
+    methods.build(smollm2, methods.MethodSpec("layerskip", layers=30))
 
 
 def test_static_tree_shape_sets_nodes_and_depth(smollm2):
@@ -72,7 +81,7 @@ def test_static_tree_shape_sets_nodes_and_depth(smollm2):
   assert (spec.tree_nodes, spec.k) == (10, 3)
   assert methods.MethodSpec("eagle3", tree_nodes=10,
                             tree_shape="2x2x1").tree_nodes == 10
-  with pytest.raises(methods.MethodError, match="--tree-nodes 3 disagrees"):
+  with pytest.raises(methods.MethodError, match="tree_nodes 3 disagrees"):
     methods.MethodSpec("eagle3", tree_nodes=3, tree_shape="2x2x1")
   assert spec.label() == "eagle3(K=3, tree 2x2x1)"
   drafter, _ = methods.build(smollm2, spec)

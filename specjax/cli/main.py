@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import sys
 import time
 
@@ -221,25 +222,20 @@ def _method_specs(args) -> list:
           getattr(args, field) != getattr(MethodSpec, field)):
         raise UsageError(f"{_FLAGS[field]} and --method {text!r} both set "
                          f"{field}; give it once")
-    values = {**flags, **knobs}
-    _check_values(name, values)
     try:
-      specs.append(MethodSpec(name=name, **values))
-    except ValueError as e:
-      raise UsageError(str(e)) from None
+      specs.append(MethodSpec(name=name, **{**flags, **knobs}))
+    except (ValueError, TypeError) as e:
+      raise UsageError(_flagged(str(e))) from None
   return specs
 
 
-def _check_values(name: str, values: dict) -> None:
-  if name != "ar" and values["num_draft"] < 1:
-    raise UsageError(f"--num-draft must be >= 1, got {values['num_draft']}")
-  if values["tree_nodes"] < 0:
-    raise UsageError(f"--tree-nodes must be >= 0, got {values['tree_nodes']}")
-  if values["tree_width"] < 1:
-    raise UsageError(f"--tree-width must be >= 1, got {values['tree_width']}")
-  if not 0.0 <= values["min_confidence"] < 1.0:
-    raise UsageError(f"--min-confidence must be in [0, 1), got "
-                     f"{values['min_confidence']}")
+def _flagged(message: str) -> str:
+  """A library message with each ``MethodSpec`` field it names written as
+  the CLI's flag for it."""
+  for field, flag in _FLAGS.items():
+    if "_" in field:  # "head", "layers" are words too
+      message = re.sub(rf"\b{field}\b", flag, message)
+  return message
 
 
 def _build(model, spec):
@@ -249,7 +245,7 @@ def _build(model, spec):
   try:
     return methods.build(model, spec)
   except (methods.MethodError, AssetError, WeightError, OSError) as e:
-    raise UsageError(str(e)) from None
+    raise UsageError(_flagged(str(e))) from None
 
 
 def _check_common(args):

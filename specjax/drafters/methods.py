@@ -120,6 +120,21 @@ class MethodSpec:
   lookup_nodes: int = 0
 
   def __post_init__(self):
+    from specjax.core.sampling import require_int
+    if self.name not in METHODS:
+      raise MethodError(f"unknown method {self.name!r} (choose from "
+                        f"{', '.join(METHODS)})")
+    for field in ("num_draft", "tree_nodes", "tree_width", "lookup_nodes"):
+      require_int(field, getattr(self, field))
+    for field, ok, rule in (
+        ("num_draft", self.name == "ar" or self.num_draft >= 1, ">= 1"),
+        ("tree_nodes", self.tree_nodes >= 0, ">= 0"),
+        ("tree_width", self.tree_width >= 1, ">= 1"),
+        ("lookup_nodes", self.lookup_nodes >= 0, ">= 0"),
+        ("min_confidence", 0 <= self.min_confidence < 1, "in [0, 1)")):
+      if not ok:  # NaN fails its rule
+        raise MethodError(f"{field} must be {rule}, got "
+                          f"{getattr(self, field)}")
     if self.tree_shape:  # the shape fixes the node count and the depth
       from specjax.core import tree
       try:
@@ -128,8 +143,8 @@ class MethodSpec:
         raise MethodError(str(e)) from None
       nodes = shape.num_nodes + max(self.lookup_nodes, 0)
       if self.tree_nodes not in (0, nodes):
-        raise MethodError(f"--tree-nodes {self.tree_nodes} disagrees with "
-                          f"--tree-shape {self.tree_shape!r} ({nodes} nodes "
+        raise MethodError(f"tree_nodes {self.tree_nodes} disagrees with "
+                          f"tree_shape {self.tree_shape!r} ({nodes} nodes "
                           f"with the lookup's); give one of them")
       object.__setattr__(self, "tree_nodes", nodes)
       object.__setattr__(self, "num_draft", max(
@@ -180,10 +195,6 @@ def default_layers(model: Model) -> int:
 
 def build(model: Model, spec: MethodSpec) -> tuple[Any, Any]:
   """``(drafter, drafter_params)`` for ``spec`` on the target ``model``."""
-  if spec.tree_nodes < 0:
-    raise MethodError(f"--tree-nodes must be >= 0, got {spec.tree_nodes}")
-  if spec.tree_width < 1:
-    raise MethodError(f"--tree-width must be >= 1, got {spec.tree_width}")
   if spec.lookup_nodes:
     _check_lookup(spec)
   _check_knobs_apply(spec)
@@ -191,16 +202,16 @@ def build(model: Model, spec: MethodSpec) -> tuple[Any, Any]:
   if spec.lookup_nodes:
     built = _with_lookup(model, spec, built)
   if spec.tree_shape and spec.name not in HEADS:
-    raise MethodError(f"--tree-shape is for EAGLE and Medusa heads (eagle, "
+    raise MethodError(f"tree_shape is for EAGLE and Medusa heads (eagle, "
                       f"eagle3, medusa), not {spec.name}")
   if spec.name == "medusa" and spec.tree_nodes and not spec.tree_shape:
-    raise MethodError("Medusa trees are static: give --tree-shape (e.g. "
-                      "2x2x1) instead of --tree-nodes")
+    raise MethodError("Medusa trees are static: give tree_shape (e.g. "
+                      "2x2x1) instead of tree_nodes")
   if spec.tree_nodes and spec.name != "ar":
     from specjax.drafters.base import TreeDrafter
     if not isinstance(built[0], TreeDrafter):
-      raise MethodError(f"--method {spec.name} drafts chains only; trees "
-                        f"(--tree-nodes) work with: ngram, retrieval, "
+      raise MethodError(f"method {spec.name} drafts chains only; trees "
+                        f"(tree_nodes) work with: ngram, retrieval, "
                         f"ngram+retrieval, eagle, eagle3, medusa")
   return built
 
@@ -217,28 +228,26 @@ def _check_knobs_apply(spec: MethodSpec) -> None:
   lookup, retrieval alone)."""
   if spec.min_confidence and (spec.tree_nodes or spec.name not in DYNAMIC_K):
     raise MethodError(
-        f"--min-confidence (dynamic K) is for chains of "
+        f"min_confidence (dynamic K) is for chains of "
         f"{', '.join(DYNAMIC_K)}; {spec.label()} would ignore it")
   widened = spec.tree_nodes and (
       spec.name in ("ngram", "ngram+retrieval") or spec.lookup_nodes
       or (spec.name in ("eagle", "eagle3") and not spec.tree_shape))
   if spec.tree_width != _DEFAULT_WIDTH and not widened:
     raise MethodError(
-        f"--tree-width is for dynamic trees (ngram, ngram+retrieval, eagle, "
+        f"tree_width is for dynamic trees (ngram, ngram+retrieval, eagle, "
         f"eagle3, or a head's lookup trie); {spec.label()} would ignore it")
 
 
 def _check_lookup(spec: MethodSpec) -> None:
-  if spec.lookup_nodes < 0:
-    raise MethodError(f"--lookup-nodes must be >= 0, got {spec.lookup_nodes}")
   if spec.name not in HEADS:
-    raise MethodError(f"--lookup-nodes merges the n-gram/retrieval trie into "
+    raise MethodError(f"lookup_nodes merges the n-gram/retrieval trie into "
                       f"a head's tree (eagle, eagle3, medusa), not "
-                      f"{spec.name}'s; for the trie alone use --method "
+                      f"{spec.name}'s; for the trie alone use method "
                       "ngram+retrieval")
   if spec.tree_nodes <= spec.lookup_nodes:
-    raise MethodError(f"--lookup-nodes {spec.lookup_nodes} must leave the "
-                      f"head some of the tree's nodes (--tree-nodes "
+    raise MethodError(f"lookup_nodes {spec.lookup_nodes} must leave the "
+                      f"head some of the tree's nodes (tree_nodes "
                       f"{spec.tree_nodes} counts both)")
 
 
@@ -259,13 +268,8 @@ def _with_lookup(model: Model, spec: MethodSpec, built):
 
 
 def _build(model: Model, spec: MethodSpec) -> tuple[Any, Any]:
-  if spec.name not in METHODS:
-    raise MethodError(f"unknown method {spec.name!r} "
-                      f"(choose from {', '.join(METHODS)})")
   if spec.name == "ar":
     return None, None
-  if spec.num_draft < 1:
-    raise MethodError(f"--num-draft must be >= 1, got {spec.num_draft}")
   if spec.name == "ngram":
     from specjax.drafters import NGramDrafter
     return NGramDrafter(num_paths=spec.tree_width), None
@@ -301,7 +305,7 @@ def _draft_model(model: Model, spec: MethodSpec):
   from specjax.drafters import DraftModelDrafter
   from specjax.models.registry import load_model
   if not spec.draft_model:
-    raise MethodError("--method draft needs --draft-model (a .gguf file or HF "
+    raise MethodError("method draft needs draft_model (a .gguf file or HF "
                       "dir whose tokenizer matches the target's)")
   try:
     draft = load_model(spec.draft_model)
@@ -374,8 +378,8 @@ def _head(model: "Model", spec: MethodSpec):
     raise MethodError(str(e)) from None
   if cfg.variant != variant:
     method = {v: m for m, v in HEADS.items()}[cfg.variant]
-    raise MethodError(f"--head {str(path)!r} is an {cfg.variant} head; use "
-                      f"--method {method}")
+    raise MethodError(f"head {str(path)!r} is an {cfg.variant} head; use "
+                      f"method {method}")
   if model.native:  # the target's native CPU path: the head's too
     head = pack_head(head)
   shape = ()
@@ -385,13 +389,13 @@ def _head(model: "Model", spec: MethodSpec):
   if variant == "medusa":
     from specjax.drafters.medusa import MedusaDrafter, MedusaParams
     if spec.num_draft > cfg.medusa_heads:
-      raise MethodError(f"--num-draft {spec.num_draft} exceeds the Medusa "
+      raise MethodError(f"num_draft {spec.num_draft} exceeds the Medusa "
                         f"head's {cfg.medusa_heads} depths")
     return (MedusaDrafter(cfg, spec.min_confidence, shape),
             MedusaParams(head=head, draft_ids=draft_ids))
   from specjax.drafters.eagle import EagleDrafter, EagleParams
   if spec.tree_width > cfg.draft_vocab:
-    raise MethodError(f"--tree-width {spec.tree_width} exceeds the head's "
+    raise MethodError(f"tree_width {spec.tree_width} exceeds the head's "
                       f"draft vocabulary ({cfg.draft_vocab})")
   return (EagleDrafter(cfg, spec.min_confidence, spec.tree_width, shape),
           EagleParams(head=head, draft_ids=draft_ids,
