@@ -7,7 +7,7 @@ frozen target runs once, over the first 2000 training conversations
 (``feature_cache``: 4.7 GB of bf16 features in ``workdir/features``), and the
 head trains 5 epochs over them (5000 steps of batch 2, all at TTT 3: the
 deeper steps of TTT 7 cost 2.2x the step time and added ~0.01 to MT-bench
-tau). Sized to the 2-hour budget on the faster 2-core VM (docs/RESULTS.md,
+tau). Sized to the 2-hour budget on the faster 2-core VM (docs/archive/RESULTS_2026-12.md,
 ``eagle3-v5``): the cache ~0.5 s per conversation, a step ~1.1 s; 1 h 50 min
 in all. On the slower VM the same run takes about 2.5x as long;
 ``--set feature_cache=720 --set steps=1440 --set ttt_steps=7

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Is caching the target's features (several epochs over fewer examples)
-# worth more than fresh data at the same compute? (issue 4, "measure each
-# lever as acceptance per CPU-hour"). Baseline: the 150-step online TTT-3
-# run of RESULTS.md ("Same budget").
+# worth more than fresh data at the same compute? (measured as
+# acceptance per CPU-hour). Baseline: the 150-step online TTT-3
+# run of docs/archive/RESULTS_2026-12.md ("Same budget").
 #
 # Compute is counted in the per-step costs measured alone on this CPU
 # (DESIGN.md, "Only assistant rows reach the LM head"): target forward
@@ -14,7 +14,7 @@
 # Same data order seed, schedule (steps=2000 stopped early, as the baseline)
 # and TTT 3. Then scores each on the 64 held-out conversations. The builds
 # measured 1.7-2.0 s per example at c7cb9f3 (a memmap writer, since replaced);
-# docs/RESULTS.md compares the measured seconds, not these estimates.
+# docs/archive/RESULTS_2026-12.md compares the measured seconds, not these estimates.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SJ=${SJ:-.venv/bin/specjax}

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The EAGLE benchmark behind docs/RESULTS.md (issue 4): the shipped EAGLE-3
+# The EAGLE benchmark behind docs/archive/RESULTS_2026-12.md: the then-shipped EAGLE-3
 # head (fixed K = 7, and dynamic K: a row stops drafting below 0.3 head
 # confidence) against AR in the same run, next to n-gram and layer-skip;
 # 128 new tokens, batch 1, full MT-bench (80) and HumanEval (164).

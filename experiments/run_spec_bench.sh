@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The speculative benchmark behind docs/RESULTS.md: MT-bench first turns,
+# The speculative benchmark behind docs/archive/RESULTS_2026-12.md: MT-bench first turns,
 # 128 new tokens, batch 1, each method against AR in the same run.
 # Appends JSON lines to experiments/results/bench_spec.jsonl (kept on interrupt).
 set -euo pipefail
