@@ -305,6 +305,8 @@ def cmd_probe(args) -> int:
     cfg = dataclasses.replace(cfg, ttt_warm_fraction=0.5)
   model = Model(Decoder(tcfg), random_params(jax.random.key(0), tcfg), None)
   ex = random_examples(cfg, tcfg.vocab_size, 2 * cfg.batch_size)
+  import shutil
+  shutil.rmtree(scratch / "probe", ignore_errors=True)  # a new run each time
   t = time.time()
   run = etrain.train(dataclasses.replace(cfg, steps=steps, log_every=1,
                                          checkpoint_every=0, heldout=0),
