@@ -194,7 +194,8 @@ def _method_texts(args) -> list[str]:
 
 
 def _method_specs(args) -> list:
-  from specjax.drafters.methods import HEADS, MethodError, MethodSpec, parse_knobs
+  from specjax.drafters.methods import (HEADS, MethodError, MethodSpec,
+                                        parse_knobs)
   texts = _method_texts(args)
   try:
     parsed = [parse_knobs(t) for t in texts]

@@ -39,7 +39,8 @@ def parse_knobs(text: str) -> tuple[str, dict]:
   each value typed as its field; ``MethodError`` names what is wrong."""
   name, *knobs = text.strip().split(":")
   if name not in METHODS:
-    raise MethodError(f"unknown method {name!r} in {text!r} (choose from "
+    where = f" in {text!r}" if knobs else ""
+    raise MethodError(f"unknown method {name!r}{where} (choose from "
                       f"{', '.join(METHODS)})")
   kinds = _field_kinds()
   fields = {}
@@ -126,6 +127,10 @@ class MethodSpec:
                         f"{', '.join(METHODS)})")
     for field in ("num_draft", "tree_nodes", "tree_width", "lookup_nodes"):
       require_int(field, getattr(self, field))
+    if not isinstance(self.min_confidence, (int, float)) or isinstance(
+        self.min_confidence, bool):
+      raise TypeError(f"min_confidence must be a number, got "
+                      f"{self.min_confidence!r}")
     for field, ok, rule in (
         ("num_draft", self.name == "ar" or self.num_draft >= 1, ">= 1"),
         ("tree_nodes", self.tree_nodes >= 0, ">= 0"),
@@ -141,7 +146,7 @@ class MethodSpec:
         shape = tree.Shape(tree.parse_shape(self.tree_shape))
       except ValueError as e:
         raise MethodError(str(e)) from None
-      nodes = shape.num_nodes + max(self.lookup_nodes, 0)
+      nodes = shape.num_nodes + self.lookup_nodes
       if self.tree_nodes not in (0, nodes):
         raise MethodError(f"tree_nodes {self.tree_nodes} disagrees with "
                           f"tree_shape {self.tree_shape!r} ({nodes} nodes "
