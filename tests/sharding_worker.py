@@ -135,7 +135,7 @@ def train_main(workdir: str) -> dict:
   from specjax.training import train as etrain
   from tests.test_eagle_train import CFG, _examples, make_tiny_model
   work = pathlib.Path(workdir)
-  model = make_tiny_model(work / "tiny")
+  model = make_tiny_model()
   ex = _examples(n=12)
   cfg = dataclasses.replace(CFG, batch_size=4, steps=4)
   run = lambda name, stop=None, **kw: etrain.train(

@@ -14,20 +14,18 @@ from specjax.training import data as edata
 from specjax.training import train as etrain
 
 
-def make_tiny_model(d) -> Model:
-  """A 3-layer HF-format Llama loaded from ``d`` (EAGLE-3 taps {2, L//2,
-  L-3} need L >= 3: it has exactly 3)."""
-  from specjax.models.hf_loader import load_hf
-  from tests.tiny_hf import make_tiny
-  make_tiny("llama_gqa_tied", d, seed=4)
-  cfg, params = load_hf(d)
-  return Model(target=Decoder(dataclasses.replace(cfg, eos_ids=(36,))), params=params,
-               tokenizer=None)
+def make_tiny_model() -> Model:
+  """A random 3-layer Llama (EAGLE-3 taps {2, L//2, L-3} need L >= 3: it
+  has exactly 3), EOS 36."""
+  from specjax import testing
+  cfg, params = testing.tiny("llama_gqa_tied", seed=4)
+  return Model(target=Decoder(dataclasses.replace(cfg, eos_ids=(36,))),
+               params=params, tokenizer=None)
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-  return make_tiny_model(tmp_path_factory.mktemp("eagle_tiny"))
+  return make_tiny_model()
 
 
 def _examples(n=10, T=12, seed=0):

@@ -300,11 +300,9 @@ def test_eagle_chain_drafting_greedy_identity(tmp_path, variant):
   ancestor masks and the features gathered along the accepted path."""
   from specjax.core import engine
   from specjax.drafters.eagle import EagleDrafter, EagleParams
-  from specjax.models.hf_loader import load_hf
   from specjax.training.train import init_head
-  from tests.tiny_hf import make_tiny
-  make_tiny("llama_gqa_tied", tmp_path, seed=3)
-  tcfg, tparams = load_hf(tmp_path)
+  from specjax import testing
+  tcfg, tparams = testing.tiny("llama_gqa_tied", seed=3)
   taps = (0, 1, 2) if variant == "eagle3" else (3,)
   hcfg = HeadConfig.for_target(tcfg, 37, variant=variant, taps=taps)
   vocab = build_draft_vocab([np.arange(37)], 37, 37)
@@ -388,12 +386,10 @@ def test_static_trees_match_dynamic_and_chain_drafts(tmp_path, variant):
   from specjax.core.sampling import SamplingParams
   from specjax.drafters.eagle import EagleDrafter, EagleParams
   from specjax.heads.base import HeadConfig as HC
-  from specjax.models.hf_loader import load_hf
   from specjax.training.train import init_head
-  from tests.tiny_hf import make_tiny
+  from specjax import testing
   assert tuple(tree.parse_shape("2x2x1")) == SHAPE_2X2X1
-  make_tiny("llama_gqa_tied", tmp_path, seed=3)
-  tcfg, tparams = load_hf(tmp_path)
+  tcfg, tparams = testing.tiny("llama_gqa_tied", seed=3)
   hcfg = HC.for_target(tcfg, 37, variant=variant,
                        taps=(0, 1, 2) if variant == "eagle3" else (3,))
   vocab = build_draft_vocab([np.arange(37)], 37, 37)
@@ -462,11 +458,9 @@ def test_leviathan_with_real_head_draft_probabilities(tmp_path):
   from specjax.core import verify
   from specjax.core.sampling import SamplingParams, warp
   from specjax.drafters.eagle import EagleDrafter, EagleParams
-  from specjax.models.hf_loader import load_hf
   from tests.test_verify import N, _chi2_ok, _draft
-  from tests.tiny_hf import make_tiny
-  make_tiny("llama_gqa_tied", tmp_path, seed=3)
-  tcfg, tparams = load_hf(tmp_path)
+  from specjax import testing
+  tcfg, tparams = testing.tiny("llama_gqa_tied", seed=3)
   vocab = build_draft_vocab([np.arange(29)], 37, 29)
   hcfg = HeadConfig.for_target(tcfg, 29, taps=(0, 1, 2))
   head = Eagle3Head(hcfg).init(
@@ -508,11 +502,9 @@ def test_warm_layer_starts_as_the_target_layer_the_high_tap_feeds(tmp_path):
   it is given -- its layer is that target layer on the tapped stream, the
   token half of q/k/v is zero, ``fc`` passes the high tap through; packed
   target weights give the same head."""
-  from specjax.models.hf_loader import load_hf
   from specjax.training.train import init_head, warm_layer
-  from tests.tiny_hf import make_tiny
-  make_tiny("llama_gqa_tied", tmp_path, seed=3)
-  tcfg, tparams = load_hf(tmp_path)
+  from specjax import testing
+  tcfg, tparams = testing.tiny("llama_gqa_tied", seed=3)
   hcfg = HeadConfig.for_target(tcfg, 30, taps=(0, 1, 2))
   vocab = build_draft_vocab([np.arange(37)], 37, 30)
   head = warm_layer(init_head(jax.random.key(0), hcfg, Decoder(tcfg), tparams, vocab), hcfg,
@@ -577,12 +569,10 @@ def test_eagle_sampling_through_the_engine_is_exact(tmp_path, monkeypatch):
   rule) must fail."""
   from specjax.drafters import chain
   from specjax.drafters.eagle import EagleParams
-  from specjax.models.hf_loader import load_hf
   from specjax.training.train import init_head
   from tests.test_speculative import _chi2
-  from tests.tiny_hf import make_tiny
-  make_tiny("llama_gqa_tied", tmp_path, seed=3)
-  tcfg, tparams = load_hf(tmp_path)
+  from specjax import testing
+  tcfg, tparams = testing.tiny("llama_gqa_tied", seed=4)
   hcfg = HeadConfig.for_target(tcfg, 37, taps=(0, 1, 2))
   vocab = build_draft_vocab([np.arange(37)], 37, 37)
   dparams = EagleParams(head=init_head(jax.random.key(0), hcfg, Decoder(tcfg), tparams,

@@ -8,22 +8,19 @@ import numpy as np
 import pytest
 import scipy.stats
 
+from specjax import testing
 from specjax.core import bucketing, engine
 from specjax.core.sampling import SamplingParams, warp
 from specjax.drafters import NGramDrafter
 from specjax.models import decoder
 from specjax.models.decoder import Decoder
-from specjax.models.hf_loader import load_hf
-from tests.tiny_hf import make_tiny
 
 PROMPTS = [[5, 17, 3], [9, 1, 30, 22, 8, 14, 2, 6], [33], [4, 4, 4, 4, 12]]
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-  d = tmp_path_factory.mktemp("engine_tiny")
-  make_tiny("llama_gqa_tied", d, seed=3)
-  return load_hf(d)
+def tiny():
+  return testing.tiny("llama_gqa_tied", seed=3)
 
 
 def _greedy_reference(params, cfg, prompt, n):

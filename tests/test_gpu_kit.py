@@ -270,7 +270,7 @@ def test_last_call_sizes_the_run_and_compares_decoding(tmp_path):
   import dataclasses
   import time
   from tests.test_eagle_train import CFG, _examples, make_tiny_model
-  model = make_tiny_model(tmp_path / "m")
+  model = make_tiny_model()
   ex = _examples(20)
   cfg = dataclasses.replace(CFG, steps=100, checkpoint_every=0, heldout=0)
   from specjax.training import train as etrain

@@ -80,10 +80,8 @@ def test_medusa_loss_scores_depth_k_against_token_t_plus_2_plus_k():
 
 
 def _tiny(tmp_path):
-  from specjax.models.hf_loader import load_hf
-  from tests.tiny_hf import make_tiny
-  make_tiny("llama_gqa_tied", tmp_path, seed=3)
-  return load_hf(tmp_path)
+  from specjax import testing
+  return testing.tiny("llama_gqa_tied", seed=0)
 
 
 @pytest.mark.long
@@ -188,7 +186,7 @@ def test_trainer_trains_medusa_and_methods_load_it(tmp_path):
   from specjax.drafters import methods
   from specjax.training import train as etrain
   from tests.test_eagle_train import CFG as TRAIN, _examples, make_tiny_model
-  model = make_tiny_model(tmp_path / "model")
+  model = make_tiny_model()
   cfg = dataclasses.replace(TRAIN, variant="medusa", medusa_heads=3, steps=3,
                             draft_vocab=37)
   run = etrain.train(cfg, tmp_path / "run", model=model,

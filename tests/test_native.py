@@ -209,10 +209,8 @@ def test_forward_without_writing_leaves_the_cache_untouched(tmp_path,
   forward put at ``lengths + t``; ``KVCache.write`` of them rebuilds that
   cache."""
   from specjax.models import decoder, layers
-  from specjax.models.hf_loader import load_hf
-  from tests.tiny_hf import make_tiny
-  make_tiny("llama_gqa_tied", tmp_path, seed=6)
-  cfg, params = load_hf(tmp_path)
+  from specjax import testing
+  cfg, params = testing.tiny("llama_gqa_tied", seed=6)
   params = decoder.pack_params(params) if packed else params
   rng = np.random.default_rng(8)
   prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
@@ -261,11 +259,9 @@ def test_packed_model_decodes_like_the_plain_one(tmp_path):
   from specjax.core import engine
   from specjax.drafters import NGramDrafter
   from specjax.models import decoder, layers
-  from specjax.models.hf_loader import load_hf
+  from specjax import testing
   from tests.test_speculative import _run
-  from tests.tiny_hf import make_tiny
-  make_tiny("llama_gqa_tied", tmp_path, seed=5)
-  cfg, params = load_hf(tmp_path)
+  cfg, params = testing.tiny("llama_gqa_tied", seed=5)
   packed = decoder.pack_params(params)
   assert isinstance(packed.layers[0].wqkv, layers.PackedWeight)
   rng = np.random.default_rng(3)

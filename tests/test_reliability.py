@@ -10,12 +10,11 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from specjax import testing
 from specjax.core import bucketing, engine, verify
 from specjax.core.sampling import SamplingParams, warp
 from specjax.drafters import NGramDrafter
 from specjax.models.decoder import Decoder
-from specjax.models.hf_loader import load_hf
-from tests.tiny_hf import make_tiny
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 1, 9, 1, 9],
            [3, 4, 3, 4, 3, 4, 3, 4, 3, 4, 3, 4, 3], [20, 21]]
@@ -25,12 +24,10 @@ METHODS = {"ar": {}, "ngram": dict(drafter=NGramDrafter(), num_draft=4),
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny():
   """Untied embeddings: poisoning one input row leaves every logit finite
   until that token is fed."""
-  d = tmp_path_factory.mktemp("reliability_tiny")
-  make_tiny("qwen2_bias_untied", d, seed=2)
-  return load_hf(d)
+  return testing.tiny("qwen2_bias_untied", seed=2)
 
 
 def _run(params, cfg, prompts, max_new=14, seed=0, sampling=SamplingParams(),

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import tokenizers
 
+from specjax import testing
 from specjax import data
 from specjax.core import bucketing, engine
 from specjax.drafters import LookupDrafter, retrieval
@@ -13,9 +14,7 @@ from specjax.drafters.retrieval import (Datastore, RetrievalDrafter,
                                         build_datastore, context_hashes,
                                         sharegpt_datastore)
 from specjax.models.decoder import Decoder
-from specjax.models.hf_loader import load_hf
 from specjax.models.tokenizer import Tokenizer
-from tests.tiny_hf import make_tiny
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 1, 9, 1, 9],
            [3, 4, 3, 4, 3, 4, 3, 4, 3, 4, 3, 4, 3], [20]]
@@ -26,10 +25,8 @@ CORPUS = [[1, 2, 3, 4, 5], [1, 2, 3, 9], [1, 2, 3, 9], [7, 2, 3, 4]]
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-  d = tmp_path_factory.mktemp("retrieval_tiny")
-  make_tiny("llama_gqa_tied", d, seed=5)
-  return load_hf(d)
+def tiny():
+  return testing.tiny("llama_gqa_tied", seed=0)
 
 
 def test_numpy_and_jax_hashes_agree():

@@ -5,13 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from specjax import testing
 from specjax.core import bucketing, engine
 from specjax.core import tree as trees
 from specjax.core.sampling import SamplingParams, warp
 from specjax.drafters import NGramDrafter
 from specjax.models.decoder import Decoder
-from specjax.models.hf_loader import load_hf
-from tests.tiny_hf import make_tiny
 
 # Repetitive prompts so prompt lookup has something to find.
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 1, 9, 1, 9],
@@ -27,10 +26,8 @@ both = pytest.mark.parametrize("how", sorted(NGRAM))
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-  d = tmp_path_factory.mktemp("spec_tiny")
-  make_tiny("llama_gqa_tied", d, seed=5)
-  return load_hf(d)
+def tiny():
+  return testing.tiny("llama_gqa_tied", seed=0)
 
 
 def test_ngram_proposals():
@@ -174,11 +171,9 @@ def test_sampled_speculative_runs_are_reproducible(tiny, how):
 
 
 @pytest.fixture(scope="module")
-def tiny_draft(tmp_path_factory):
+def tiny_draft():
   """A different random model over the same 37-token vocabulary."""
-  d = tmp_path_factory.mktemp("spec_draft")
-  make_tiny("llama_gqa_tied", d, seed=11)
-  return load_hf(d)
+  return testing.tiny("llama_gqa_tied", seed=11)
 
 
 @pytest.mark.long
@@ -378,8 +373,19 @@ def test_a_spine_tree_is_the_chain(tiny):
     np.testing.assert_array_equal(getattr(st_t, field), getattr(st_c, field))
 
 
+@pytest.fixture(scope="module")
+def hf_tiny(tmp_path_factory):
+  """The transformers-built random model the next test's prompt was chosen
+  for (after 11 it continues 34, 25 or 11, so tries branch at the root)."""
+  from specjax.models.hf_loader import load_hf
+  from tests.tiny_hf import make_tiny
+  d = tmp_path_factory.mktemp("spec_hf_tiny")
+  make_tiny("llama_gqa_tied", d, seed=5)
+  return load_hf(d)
+
+
 @pytest.mark.long
-def test_tree_steps_keep_sampling_exact(tiny, monkeypatch):
+def test_tree_steps_keep_sampling_exact(hf_tiny, monkeypatch):
   """Invariant (T = 0.6, 50,000 rows through the engine's tree step): with
   n-gram tries over a prompt where 11 was followed by 34, 25 and 11 (so the
   root has siblings, most rows accept a node), the first three generated
@@ -390,7 +396,7 @@ def test_tree_steps_keep_sampling_exact(tiny, monkeypatch):
   index in the block instead of its depth (a bug peers shipped) must fail
   the same check."""
   from specjax.models import decoder
-  cfg, params = tiny
+  cfg, params = hf_tiny
   n, V, sp = 50_000, cfg.vocab_size, SamplingParams(0.6)
   prompt = [5, 6, 11, 34, 25, 11, 25, 11, 11, 34, 11]
   L = len(prompt)

@@ -167,11 +167,9 @@ def test_tree_is_sized_by_the_verify_curve(monkeypatch):
 def test_measure_costs_times_the_tree_widths(tmp_path):
   """Invariant: the measured curve has every chain width 1..K_MAX + 1 and
   the tree widths, all positive, on a tiny model."""
-  from specjax.models.hf_loader import load_hf
   from specjax.models.registry import Model
-  from tests.tiny_hf import make_tiny
-  make_tiny("llama_gqa_tied", tmp_path, seed=1)
-  cfg, params = load_hf(tmp_path)
+  from specjax import testing
+  cfg, params = testing.tiny("llama_gqa_tied", seed=1)
   costs = tuner.measure_costs(Model(target=Decoder(cfg), params=params, tokenizer=None),
                               1, progress=False, context=40, rounds=1)
   assert len(costs.forward) == tuner.K_MAX + 2
