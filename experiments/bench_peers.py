@@ -59,10 +59,9 @@ def specjax_engine(model, specs, max_new: int) -> dict[str, Call]:
   """AR and each bench_methods spec, by its text."""
   from specjax.core import runner
   from specjax.drafters import methods
-  from experiments.bench_methods import parse_spec
 
   def call_for(text):
-    spec = parse_spec(text)
+    spec = methods.MethodSpec.parse(text)
     drafter, dparams = methods.build(model, spec)
 
     def call(ids):

@@ -84,7 +84,6 @@ def main(argv=None):
 
   import jax
   import numpy as np
-  from experiments.bench_methods import parse_spec
   from experiments.common import machine
   from specjax import data
   from specjax.core import bucketing, engine
@@ -95,7 +94,7 @@ def main(argv=None):
   prompt = data.load_prompts("mtbench", args.prompt + 1)[args.prompt]
   ids = model.tokenizer.encode_chat(prompt)
   for text in args.specs:
-    spec = parse_spec(text)
+    spec = methods.MethodSpec.parse(text)
     drafter, dparams = methods.build(model, spec)
     dcfg = engine.DecodeConfig(capacity=512, drafter=drafter,
                                num_draft=spec.k, tree_nodes=spec.tree_nodes)
