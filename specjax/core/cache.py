@@ -6,9 +6,10 @@ masked out by attention; it is overwritten by the next write. Rolling back a
 rejected draft is therefore just ``cache.with_lengths(new_lengths)``: nothing is
 copied or reallocated and every shape stays fixed.
 
-Layout (measured on XLA CPU, docs/DESIGN.md): one array per layer rather than
-one stacked ``[L, ...]`` array, because a dot that reads a static slice of a
-stacked array runs ~5x slower than one reading its own buffer; keys stored
+Layout (measured on XLA CPU: docs/DESIGN.md, "Layers are unrolled over
+per-layer buffers"): one array per layer rather than one stacked ``[L, ...]``
+array, because a dot that reads a static slice of a stacked array runs
+several times slower than one reading its own buffer; keys stored
 transposed (``[B, G, H, S]``) so that q @ k is a plain batched matmul.
 """
 

@@ -1,7 +1,8 @@
 """The frozen target's features, cached on disk for multi-epoch training.
 
-On this CPU the target forward is half of a TTT-3 step (2.8 of ~5.6 s for
-2 x 512 tokens) and gives the same answer every epoch. ``build`` runs it
+On a CPU the frozen target forward is about half of a TTT-3 step (measured:
+docs/DESIGN.md, "Cached target features") and gives the same answer every
+epoch. ``build`` runs it
 once per example and keeps, per token slot, what a ``TTTBatch`` needs:
 
   taps.bin      bf16[N, T, len(taps) * D]  the fused layer inputs
