@@ -194,23 +194,19 @@ def _method_texts(args) -> list[str]:
 
 
 def _method_specs(args) -> list:
-  from specjax.drafters.methods import (HEADS, MethodError, MethodSpec,
-                                        parse_knobs)
+  from specjax.drafters.methods import (MethodError, MethodSpec, parse_knobs,
+                                        readers)
   texts = _method_texts(args)
   try:
     parsed = [parse_knobs(t) for t in texts]
   except MethodError as e:
     raise UsageError(str(e)) from None
-  names = [name for name, _ in parsed]
-  for flag, value, users in (
-      ("--head", args.head, HEADS), ("--draft-model", args.draft_model,
-                                     ("draft",)),
-      ("--layers", args.layers, ("layerskip",)),
-      ("--num-draft", args.num_draft is not None, set(METHODS) - {"ar"}),
-      ("--tree-nodes", args.tree_nodes, set(METHODS) - {"ar"})):
-    if value and not set(names) & set(users):
-      raise UsageError(f"{flag} is for --method {', '.join(sorted(users))}; "
-                       f"--method {','.join(texts)} would ignore it")
+  names = {name for name, _ in parsed}
+  for field in ("head", "draft_model", "layers", "num_draft", "tree_nodes"):
+    if _flag_given(args, field) and not names & readers(field):
+      raise UsageError(f"{_FLAGS[field]} is for --method "
+                       f"{', '.join(sorted(readers(field)))}; --method "
+                       f"{','.join(texts)} would ignore it")
   flags = dict(num_draft=4 if args.num_draft is None else args.num_draft,
                tree_nodes=args.tree_nodes, tree_width=args.tree_width,
                tree_shape=args.tree_shape, lookup_nodes=args.lookup_nodes,
@@ -219,8 +215,7 @@ def _method_specs(args) -> list:
   specs = []
   for text, (name, knobs) in zip(texts, parsed):
     for field in knobs:
-      if (args.num_draft is not None if field == "num_draft" else
-          getattr(args, field) != getattr(MethodSpec, field)):
+      if _flag_given(args, field):
         raise UsageError(f"{_FLAGS[field]} and --method {text!r} both set "
                          f"{field}; give it once")
     try:
@@ -228,6 +223,15 @@ def _method_specs(args) -> list:
     except (ValueError, TypeError) as e:
       raise UsageError(_flagged(str(e))) from None
   return specs
+
+
+def _flag_given(args, field: str) -> bool:
+  """Whether the flag for the ``MethodSpec`` field ``field`` was set (to
+  other than the field's default; --num-draft's own default is None)."""
+  from specjax.drafters.methods import MethodSpec
+  if field == "num_draft":
+    return args.num_draft is not None
+  return getattr(args, field) != getattr(MethodSpec, field)
 
 
 def _flagged(message: str) -> str:

@@ -51,11 +51,10 @@ def parse_knobs(text: str) -> tuple[str, dict]:
                         f"of {', '.join(KNOBS)}, got {knob!r}")
     if KNOBS[key] in fields:
       raise MethodError(f"method {text!r}: {key} given twice")
-    readers = (set(METHODS) - {"ar"}) if name == "ar" else _READERS.get(key)
-    if readers is not None and name not in readers:
+    users = readers(KNOBS[key])
+    if name not in users:
       raise MethodError(f"method {text!r}: {key} is for "
-                        f"{', '.join(sorted(readers))}; {name} would ignore "
-                        "it")
+                        f"{', '.join(sorted(users))}; {name} would ignore it")
     kind = kinds[KNOBS[key]]
     try:
       fields[KNOBS[key]] = kind(value)
@@ -66,9 +65,15 @@ def parse_knobs(text: str) -> tuple[str, dict]:
   return name, fields
 
 
-# Knobs that only some methods read (the others are checked by ``build``).
-_READERS = {"head": ("eagle", "eagle3", "medusa"), "draft": ("draft",),
-            "layers": ("layerskip",)}
+# Fields only some methods read; every other field, every method but "ar"
+# (``build`` checks the finer rules: trees, dynamic K, the lookup trie).
+_READERS = {"head": frozenset(HEADS), "draft_model": frozenset({"draft"}),
+            "layers": frozenset({"layerskip"})}
+
+
+def readers(field: str) -> frozenset:
+  """The methods that read the ``MethodSpec`` field ``field``."""
+  return _READERS.get(field, frozenset(METHODS) - {"ar"})
 
 
 def _field_kinds() -> dict:
