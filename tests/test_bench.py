@@ -116,7 +116,7 @@ def test_results_summary_keeps_the_newest_row_of_each_method():
   """Invariant: the at-a-glance table keeps, per method and knobs, head,
   dataset and temperature, the row of the last file given; other knobs,
   datasets and temperatures stay apart."""
-  from experiments.results_summary import newest
+  from benchmarks.results_summary import newest
   def row(file, k, dataset="mtbench", t=0.0, nodes=0):
     return dict(method="ngram", num_draft=k, tree_nodes=nodes, config={},
                 dataset=dataset, num_prompts=80, temperature=t, file=file)

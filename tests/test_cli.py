@@ -116,7 +116,7 @@ def _load_each_model_once(monkeypatch):
     ((*GEN, "--prompt", "hi", "--method", "eagle3", "--tree-nodes", "4",
       "--lookup-nodes", "-1"), ["--lookup-nodes must be >= 0"]),
     ((*GEN, "--prompt", "hi", "--method", "eagle"),
-     ["no eagle head ships", "experiments/eagle1_smollm2.py"]),
+     ["no eagle head ships", "configs/eagle1_smollm2.py"]),
     ((*GEN, "--prompt", "hi", "--temperature", "1e-40"),
      ["--temperature 1e-40 is outside f32's range", "0 is greedy"]),
     ((*GEN, "--prompt", "hi", "--temperature", "1e-320"),
@@ -156,20 +156,20 @@ def _load_each_model_once(monkeypatch):
     (("tune", "--latency-target", "-3"), ["latency target"]),
     (("train", "--config", "/no/such.py", "--workdir", "/tmp/x"),
      ["--config '/no/such.py' is not a file"]),
-    (("train", "--config", "experiments/eagle3_smollm2.py", "--workdir",
+    (("train", "--config", "configs/eagle3_smollm2.py", "--workdir",
       "/tmp/x", "--set", "stepz=3"), ["--set 'stepz=3'"]),
-    (("train", "--config", "experiments/eagle3_smollm2.py", "--workdir",
+    (("train", "--config", "configs/eagle3_smollm2.py", "--workdir",
       "/tmp/x", "--set", "steps=many"), ["--set steps", "not a int"]),
-    (("train", "--config", "experiments/eagle3_smollm2.py", "--workdir",
+    (("train", "--config", "configs/eagle3_smollm2.py", "--workdir",
       "/tmp/x", "--stop-after", "0"), ["--stop-after"]),
-    (("train", "--config", "experiments/eagle3_smollm2.py", "--workdir",
+    (("train", "--config", "configs/eagle3_smollm2.py", "--workdir",
       "/tmp/x", "--time-limit", "-1"), ["--time-limit"]),
-    (("train", "--config", "experiments/eagle3_smollm2.py", "--workdir",
+    (("train", "--config", "configs/eagle3_smollm2.py", "--workdir",
       "/tmp/x", "--set", "rows_bucket=0"), ["rows_bucket must be >= 1"]),
-    (("train", "--config", "experiments/eagle3_smollm2.py", "--workdir",
+    (("train", "--config", "configs/eagle3_smollm2.py", "--workdir",
       "/tmp/x", "--set", "init_head=/no/such.npz"),
      ["init_head: no file '/no/such.npz'"]),
-    *((("train", "--config", "experiments/eagle3_smollm2.py", "--workdir",
+    *((("train", "--config", "configs/eagle3_smollm2.py", "--workdir",
         "/tmp/x", "--set", setting), [words]) for setting, words in (
             ("keep=0", "keep must be >= 1"),
             ("variant=eagle9",
@@ -186,11 +186,11 @@ def _load_each_model_once(monkeypatch):
                                       "'\\udcff'"]),
     (("demo", "--max-new-tokens", "100000"),
      ["--max-new-tokens 100000 is above the demo's limit", "8192"]),
-    (("train", "--config", "experiments", "--workdir", "/tmp/x"),
-     ["--config 'experiments' is not a file"]),
-    (("train", "--config", "experiments/eagle3_smollm2.py", "--workdir",
+    (("train", "--config", "configs", "--workdir", "/tmp/x"),
+     ["--config 'configs' is not a file"]),
+    (("train", "--config", "configs/eagle3_smollm2.py", "--workdir",
       "/dev/null"), ["--workdir '/dev/null'"]),
-    (("train", "--config", "experiments/eagle3_smollm2.py", "--workdir",
+    (("train", "--config", "configs/eagle3_smollm2.py", "--workdir",
       "/dev/null/run"), ["--workdir '/dev/null/run'"]),
 ])
 def test_bad_input_exits_2_with_one_line(capsys, args, needles):
@@ -227,7 +227,7 @@ def test_a_resume_with_another_config_is_one_line(capsys, tmp_path):
   workdir whose config.json is not a run's config is one line naming it."""
   import dataclasses
   import runpy
-  recipe = "experiments/eagle3_smollm2.py"
+  recipe = "configs/eagle3_smollm2.py"
   cfg = runpy.run_path(recipe)["config"]()
   (tmp_path / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
   train = ("train", "--config", recipe, "--workdir", str(tmp_path))

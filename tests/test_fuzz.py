@@ -32,7 +32,7 @@ HOSTILE_NUMBER = st.one_of(
                      "1_000", "\u0663"]))
 HOSTILE_TEXT = st.one_of(st.text(max_size=12), st.sampled_from(
     ["", "   ", "a\udcffb", "x" * 5000, "/", "/dev/null", "/no/such/file",
-     "experiments"]))
+     "configs"]))
 INT = st.integers(1, 8)
 UNIT = st.sampled_from(["0", "0.5", "0.9", "1"])
 MODEL = st.sampled_from(["smollm2-135m", "gpt-17", "/no/such.gguf",
@@ -67,7 +67,7 @@ FLAGS = {
              "--task": st.sampled_from(["chat", "code", "poetry", ""]),
              "--temperature": UNIT, "--latency-target": INT},
     "train": {"--config": st.sampled_from(
-        ["experiments/eagle3_smollm2.py", "experiments", "/dev/null",
+        ["configs/eagle3_smollm2.py", "configs", "/dev/null",
          "/no/such.py"]), "--workdir": st.sampled_from(
              ["WORK", "/dev/null", "/dev/null/x"]),
               "--set": st.sampled_from(
@@ -119,8 +119,8 @@ def stubbed(monkeypatch, tmp_path):
                        (tuner, "measure_costs"), (demo, "run")):
     monkeypatch.setattr(module, name, accept)
   monkeypatch.chdir(tmp_path)
-  os.symlink(os.path.join(os.path.dirname(__file__), "..", "experiments"),
-             tmp_path / "experiments")
+  os.symlink(os.path.join(os.path.dirname(__file__), "..", "configs"),
+             tmp_path / "configs")
 
 
 def _hung(signum, frame):

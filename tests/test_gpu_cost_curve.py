@@ -1,11 +1,11 @@
-"""The GPU verify-cost curve script (experiments/gpu_cost_curve.py) on this
+"""The GPU verify-cost curve script (benchmarks/gpu/cost_curve.py) on this
 CPU with a tiny shape: what a lease's first call runs and brings back."""
 
 import json
 
 import pytest
 
-from experiments import gpu_cost_curve
+from benchmarks.gpu import cost_curve
 
 
 @pytest.mark.long
@@ -15,7 +15,7 @@ def test_cost_curve_times_forwards_and_head_steps(tmp_path):
   past skips every group and still writes the file (nothing measured is
   lost when a call is cut)."""
   out = tmp_path / "cc.json"
-  assert gpu_cost_curve.main([
+  assert cost_curve.main([
       "--shapes", "tiny", "--dtypes", "float32", "--tokens", "1,4",
       "--batches", "2", "--context", "16", "--repeats", "10",
       "--out", str(out)]) == 0
@@ -25,7 +25,7 @@ def test_cost_curve_times_forwards_and_head_steps(tmp_path):
   assert r["forward"][0]["ratio_to_1"] == 1.0
   assert [x["k"] for x in r["head"]] == [1, 7] and "step_ms" in r["head"][1]
   assert r["skipped"] == [] and r["backend"] == "cpu"
-  late = gpu_cost_curve.measure(["tiny"], ["float32"], tmp_path / "late.json",
+  late = cost_curve.measure(["tiny"], ["float32"], tmp_path / "late.json",
                                 batches=(1,), tokens=(1,), context=16,
                                 repeats=10, deadline=0.0)
   assert late["forward"] == [] and late["head"] == []

@@ -1,7 +1,8 @@
-"""The GPU kit (experiments/gpu_kit.py and its kit_* modules): what travels
+"""The GPU run (``python -m benchmarks.gpu``, benchmarks/gpu/): what travels
 in parts comes back whole or not at all, the data survives its compact
 format, first contact picks a working package set in time, the step plan
-fits the budget it was given, and the lease plan fits the lease."""
+fits the budget it was given, and the lease plan fits the lease. A
+benchmark's tests, so the long stage runs them."""
 
 import hashlib
 import json
@@ -10,8 +11,13 @@ import os
 import numpy as np
 import pytest
 
-from experiments import gpu_kit, kit_device, kit_files, kit_plan
+from benchmarks.gpu import device as kit_device
+from benchmarks.gpu import files as kit_files
+from benchmarks.gpu import kit as gpu_kit
+from benchmarks.gpu import plan as kit_plan
 from specjax.training.data import Examples
+
+pytestmark = pytest.mark.long
 
 MIB = kit_files.MIB
 
@@ -109,7 +115,6 @@ def test_check_reports_parts_and_fails_on_damage_or_mixed_packs(
   assert "different packs" in capsys.readouterr().err
 
 
-@pytest.mark.long
 def test_smoke_runs_the_trainer_through_a_resume(tmp_path):
   """Invariant: the device-side smoke run imports what the run needs,
   trains, checkpoints, resumes to its last step with finite losses and
@@ -259,7 +264,6 @@ def test_pip_download_asks_for_the_device_python(monkeypatch, tmp_path):
   assert os.path.samefile(argv[argv.index("-d") + 1], tmp_path)
 
 
-@pytest.mark.long
 def test_last_call_sizes_the_run_and_compares_decoding(tmp_path):
   """Invariants: the last call sizes the run so that training ends where
   scoring and writes still fit (steps x the slower of the probe's and its

@@ -7,7 +7,7 @@ forward its own kernels. Required, never skipped: the long stage installs it.
 
 import pytest
 
-from experiments import bench_peers
+from benchmarks import bench_peers
 from specjax import assets, data
 from specjax.core import runner
 from specjax.models.registry import load_model

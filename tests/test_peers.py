@@ -1,4 +1,4 @@
-"""experiments/bench_peers.py on a two-layer cut of SmolLM2's GGUF (real
+"""benchmarks/bench_peers.py on a two-layer cut of SmolLM2's GGUF (real
 tokenizer and embeddings, so every engine loads it as it loads the full file)."""
 
 import argparse
@@ -7,7 +7,7 @@ import json
 import gguf
 import pytest
 
-from experiments import bench_peers
+from benchmarks import bench_peers
 from specjax import assets
 
 LAYERS = 2

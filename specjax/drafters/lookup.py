@@ -10,7 +10,7 @@ tree, one trie holds n-gram's best matches' paths and then retrieval's (each
 suffix order's), shared prefixes once, cut breadth first to the node budget.
 Both are deterministic, so verification is exact at every temperature. On
 MT-bench at T = 0 the trie of 8 nodes reaches τ 1.89 where n-gram's chain
-has 1.50 and its own trie 1.55 (experiments/trie_acceptance.py).
+has 1.50 and its own trie 1.55 (benchmarks/trie_acceptance.py).
 """
 
 from __future__ import annotations

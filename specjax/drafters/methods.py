@@ -357,7 +357,7 @@ def head_file(model_name: str, spec: MethodSpec) -> str:
   if not path or not path.is_file():
     raise MethodError(
         f"no {spec.name} head ships for {model_name!r} yet: train one "
-        f"(specjax train --config experiments/{HEADS[spec.name]}_smollm2.py "
+        f"(specjax train --config configs/{HEADS[spec.name]}_smollm2.py "
         "--workdir DIR) and pass --head DIR/head.npz")
   return str(path)
 

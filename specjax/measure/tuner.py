@@ -19,7 +19,7 @@ method beats AR by 5%, AR is the recommendation: speculation only pays where
 α survives the workload.
 
 Trees (``recommend_tree``): for a head whose per-depth, per-rank acceptance
-was measured (``TREE_PRIORS``, from experiments/tree_rank_acceptance.py),
+was measured (``TREE_PRIORS``, from benchmarks/tree_rank_acceptance.py),
 ``theory.best_tree`` gives the best static tree of every node budget and
 depth, and the tuner keeps the one with the lowest time per token under the
 measured verify curve, now timed out to ``TREE_WIDTHS`` tokens, and a draft
@@ -48,7 +48,7 @@ MIN_GAIN = 1.05
 TREE_WIDTHS = (12, 16, 24, 33)  # verify widths timed past K_MAX + 1 for trees
 
 def _load_priors():
-  """From ``specjax bench`` runs (experiments/summarize_spec_bench.py writes
+  """From ``specjax bench`` runs (benchmarks/summarize_spec_bench.py writes
   them; docs/RESULTS.md), by (method, task) and temperature: the per-draft
   acceptance α of the steps that drafted (the geometric fit
   (1 - α^(K+1)) / (1 - α) = τ of those steps) and the share of steps that

@@ -1,0 +1,5 @@
+import sys
+
+from benchmarks.gpu import kit
+
+sys.exit(kit.main())

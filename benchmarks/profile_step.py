@@ -1,0 +1,118 @@
+"""Where a speculative step's time goes: each piece of ``engine.step`` timed
+alone at the step's own shapes, on a real state, against the whole step.
+
+  .venv/bin/python -m benchmarks.profile_step eagle3:k=4:nodes=7 ngram:k=5
+
+Each spec is a ``bench_methods`` spec. The state is the one after the
+prefill and a few steps of the first MT-bench prompt (``--prompt``). Prints
+one JSON line per spec: milliseconds per piece (medians of ``--repeats``),
+their sum and the whole step's time; the gap is what XLA does differently
+when the pieces run fused in one program (or dispatch cost).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+from specjax.models.decoder import Decoder
+
+
+def pieces(model, dcfg, dparams, state):
+  """``{name: (jitted fn, args)}`` of one step's stages, each fed the real
+  outputs of the stage before (computed once, untimed)."""
+  import jax
+  from specjax.core import engine, tree as trees
+  from specjax.core.sampling import warp
+  cfg, sp = model.config, dcfg.sampling
+  live_B = ~state.done
+  key = jax.random.key(1)
+  out = {}
+  if dcfg.tree_nodes:
+    propose = jax.jit(lambda p, s, k: engine._propose_tree(p, s, dcfg, k))
+    tree, anc, _ = propose(dparams, state, key)
+    out["propose"] = (propose, (dparams, state, key))
+    fwd = jax.jit(lambda p, t, c, pos, m: engine._verify_forward(
+        p, cfg, t, c, engine._feature_taps(dcfg), positions_BT=pos,
+        mask_BTT=m, width=dcfg.block))
+    args = (model.params, tree.tokens, state.cache,
+            trees.positions(state.cache.lengths, anc), anc)
+    fo = fwd(*args)
+    out["verify_forward"] = (fwd, args)
+    ver = jax.jit(lambda t, a, lg, k: trees.verify_tree(
+        t, a, warp(lg, sp), k, sp, dcfg.k))
+    res = ver(tree, anc, fo.logits, key)
+    out["verify_tree"] = (ver, (tree, anc, fo.logits, key))
+    import jax.numpy as jnp
+    write = jax.jit(lambda c, kv, p: c.write(jax.tree.map(
+        lambda a: jnp.take_along_axis(a, p[:, :, None, None], axis=1), kv),
+        c.new_slots(p.shape[1])))
+    out["write_path"] = (write, (state.cache, fo.new_kv, res.path))
+  else:
+    propose = jax.jit(lambda p, s, k: engine._propose(p, s, dcfg, k))
+    prop = propose(dparams, state, key)
+    out["propose"] = (propose, (dparams, state, key))
+    score = jax.jit(lambda p, s, pr, l: engine._score(
+        p, s, pr, l, target=Decoder(cfg), dcfg=dcfg))
+    fo, _ = score(model.params, state, prop, live_B)
+    out["verify_forward"] = (score, (model.params, state, prop, live_B))
+    from specjax.core.verify import verify_chain
+    ver = jax.jit(lambda pr, lg, k: verify_chain(
+        pr.tokens, pr.probs, warp(lg, sp), pr.num_draft, k,
+        greedy=sp.greedy))
+    res = ver(prop, fo.logits, key)
+    out["verify_chain"] = (ver, (prop, fo.logits, key))
+  emit = jax.jit(lambda s, t, n, l: engine._emit(s, t, n, l, dcfg))
+  out["emit"] = (emit, (state, res.tokens, res.num_emitted, live_B))
+  step = jax.jit(functools.partial(engine.step, target=Decoder(cfg), dcfg=dcfg))
+  out["whole_step"] = (lambda p, s, d: step(p, s, drafter_params=d),
+                       (model.params, state, dparams))
+  return out
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("specs", nargs="+")
+  ap.add_argument("--prompt", type=int, default=0)
+  ap.add_argument("--warm-steps", type=int, default=8)
+  ap.add_argument("--repeats", type=int, default=15)
+  args = ap.parse_args(argv)
+
+  import jax
+  import numpy as np
+  from benchmarks.common import machine
+  from specjax import data
+  from specjax.core import bucketing, engine
+  from specjax.drafters import methods
+  from specjax.measure import bench
+  from specjax.models.registry import load_model
+  model = load_model("smollm2-135m")
+  prompt = data.load_prompts("mtbench", args.prompt + 1)[args.prompt]
+  ids = model.tokenizer.encode_chat(prompt)
+  for text in args.specs:
+    spec = methods.MethodSpec.parse(text)
+    drafter, dparams = methods.build(model, spec)
+    dcfg = engine.DecodeConfig(capacity=512, drafter=drafter,
+                               num_draft=spec.k, tree_nodes=spec.tree_nodes)
+    prompt_BT, lengths = bucketing.pad_prompts([ids], 0)
+    state = engine.prefill_jit(model.params, prompt_BT, lengths,
+                               jax.random.key(0), np.int32(10_000),
+                               target=model.target, dcfg=dcfg,
+                               drafter_params=dparams)
+    for _ in range(args.warm_steps):
+      state = engine.step_jit(model.params, state, target=model.target,
+                              dcfg=dcfg, drafter_params=dparams)
+    ms = {name: 1e3 * bench.median_time(functools.partial(fn, *fargs),
+                                        args.repeats)
+          for name, (fn, fargs) in pieces(model, dcfg, dparams,
+                                          state).items()}
+    whole = ms.pop("whole_step")
+    print(json.dumps({"spec": text, "ms": {k: round(v, 2)
+                                           for k, v in ms.items()},
+                      "sum_ms": round(sum(ms.values()), 2),
+                      "whole_step_ms": round(whole, 2),
+                      "machine": machine()}), flush=True)
+
+
+if __name__ == "__main__":
+  main()
