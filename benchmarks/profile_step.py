@@ -15,56 +15,34 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-from specjax.models.decoder import Decoder
 
 
 def pieces(model, dcfg, dparams, state):
-  """``{name: (jitted fn, args)}`` of one step's stages, each fed the real
-  outputs of the stage before (computed once, untimed)."""
+  """``{name: (jitted fn, args)}`` of one step's stages (``engine.step``'s
+  own functions), each fed the real outputs of the stage before (computed
+  once, untimed)."""
   import jax
-  from specjax.core import engine, tree as trees
-  from specjax.core.sampling import warp
-  cfg, sp = model.config, dcfg.sampling
+  from specjax.core import engine
+  target = model.target
   live_B = ~state.done
   key = jax.random.key(1)
   out = {}
-  if dcfg.tree_nodes:
-    propose = jax.jit(lambda p, s, k: engine._propose_tree(p, s, dcfg, k))
-    tree, anc, _ = propose(dparams, state, key)
-    out["propose"] = (propose, (dparams, state, key))
-    fwd = jax.jit(lambda p, t, c, pos, m: engine._verify_forward(
-        p, cfg, t, c, engine._feature_taps(dcfg), positions_BT=pos,
-        mask_BTT=m, width=dcfg.block))
-    args = (model.params, tree.tokens, state.cache,
-            trees.positions(state.cache.lengths, anc), anc)
-    fo = fwd(*args)
-    out["verify_forward"] = (fwd, args)
-    ver = jax.jit(lambda t, a, lg, k: trees.verify_tree(
-        t, a, warp(lg, sp), k, sp, dcfg.k))
-    res = ver(tree, anc, fo.logits, key)
-    out["verify_tree"] = (ver, (tree, anc, fo.logits, key))
-    import jax.numpy as jnp
-    write = jax.jit(lambda c, kv, p: c.write(jax.tree.map(
-        lambda a: jnp.take_along_axis(a, p[:, :, None, None], axis=1), kv),
-        c.new_slots(p.shape[1])))
-    out["write_path"] = (write, (state.cache, fo.new_kv, res.path))
-  else:
-    propose = jax.jit(lambda p, s, k: engine._propose(p, s, dcfg, k))
-    prop = propose(dparams, state, key)
-    out["propose"] = (propose, (dparams, state, key))
-    score = jax.jit(lambda p, s, pr, l: engine._score(
-        p, s, pr, l, target=Decoder(cfg), dcfg=dcfg))
-    fo, _ = score(model.params, state, prop, live_B)
-    out["verify_forward"] = (score, (model.params, state, prop, live_B))
-    from specjax.core.verify import verify_chain
-    ver = jax.jit(lambda pr, lg, k: verify_chain(
-        pr.tokens, pr.probs, warp(lg, sp), pr.num_draft, k,
-        greedy=sp.greedy))
-    res = ver(prop, fo.logits, key)
-    out["verify_chain"] = (ver, (prop, fo.logits, key))
+  draft_fn = jax.jit(lambda p, s, k: engine._draft(p, s, dcfg, k))
+  draft = draft_fn(dparams, state, key)
+  out["draft"] = (draft_fn, (dparams, state, key))
+  score = jax.jit(lambda p, c, d, l: engine._score(p, c, d, l, target=target,
+                                                   dcfg=dcfg))
+  fo, _ = score(model.params, state.cache, draft, live_B)
+  out["verify_forward"] = (score, (model.params, state.cache, draft, live_B))
+  verify = jax.jit(lambda d, lg, l, k: engine._verify(d, lg, l, k, dcfg))
+  res, path, _ = verify(draft, fo.logits, live_B, key)
+  out["verify"] = (verify, (draft, fo.logits, live_B, key))
+  write = jax.jit(lambda c, kv, p: c.write(engine._on_path(kv, p),
+                                           c.new_slots(dcfg.k + 1)))
+  out["write_cache"] = (write, (state.cache, fo.new_kv, path))
   emit = jax.jit(lambda s, t, n, l: engine._emit(s, t, n, l, dcfg))
   out["emit"] = (emit, (state, res.tokens, res.num_emitted, live_B))
-  step = jax.jit(functools.partial(engine.step, target=Decoder(cfg), dcfg=dcfg))
+  step = jax.jit(functools.partial(engine.step, target=target, dcfg=dcfg))
   out["whole_step"] = (lambda p, s, d: step(p, s, drafter_params=d),
                        (model.params, state, dparams))
   return out

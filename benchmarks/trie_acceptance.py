@@ -88,7 +88,7 @@ def main(argv=None) -> int:
   import jax.numpy as jnp
   from benchmarks.common import machine
   from specjax import data
-  from specjax.drafters import LookupDrafter, NGramDrafter
+  from specjax.drafters import Context, LookupDrafter, NGramDrafter
   from specjax.drafters import methods
   from specjax.drafters.methods import MethodSpec
   from specjax.measure import bench
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
       if tree:
         return accepted(np.asarray(out.tokens[0]), np.asarray(out.parents[0]),
                         np.asarray(out.valid[0]), truth)
-      d = np.asarray(out.tokens[0])[:int(out.num_draft[0])]
+      d = np.asarray(out.tokens[0])[:int(out.num_drafted[0])]
       a = 0
       while a < min(len(d), len(truth)) and d[a] == truth[a]:
         a += 1
@@ -125,11 +125,11 @@ def main(argv=None) -> int:
 
   def chain(drafter, params):
     return replayed(lambda t, num: drafter.propose(
-        params, None, t, num, None, K, None), tree=False)
+        params, None, Context(t, num), None, K, None), tree=False)
 
   def tried(drafter, params, nodes):
     return replayed(lambda t, num: drafter.propose_tree(
-        params, None, t, num, None, K, nodes, None).tree, tree=True)
+        params, None, Context(t, num), None, K, nodes, None).tree, tree=True)
 
   variants = {f"n-gram chain K={K}": chain(NGramDrafter(), None),
               f"ngram+retrieval chain K={K}": chain(LookupDrafter(), store)}

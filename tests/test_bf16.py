@@ -95,8 +95,8 @@ def test_bf16_every_method_equals_bf16_ar(tiny16):
   acc, fwd = np.asarray(st.accepted_at), np.asarray(st.num_forwards)
   assert (acc[:, 2] >= fwd - 1).all()  # the target as its draft: all kept
   prop = DraftModelDrafter(Decoder(cfg)).propose(
-      params, st.drafter_state, st.tokens, st.num_tokens, jax.random.key(3),
-      3, engine.SamplingParams(1.0))
+      params, st.drafter_state, st.context, jax.random.key(3), 3,
+      engine.SamplingParams(1.0))
   assert prop.probs.dtype == jnp.float32
 
 

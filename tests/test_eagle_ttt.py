@@ -6,6 +6,7 @@ import numpy as np
 import optax
 import pytest
 
+from specjax.drafters import Context
 from specjax.heads.base import HeadConfig
 from specjax.heads.eagle import Eagle3Head
 from specjax.heads.vocab import build_draft_vocab
@@ -403,8 +404,7 @@ def test_static_trees_match_dynamic_and_chain_drafts(tmp_path, variant):
                                tree_nodes=nodes)
     st = engine.prefill(tparams, prompt_BT, lengths, jax.random.key(0), 8,
                         target=Decoder(tcfg), dcfg=dcfg, drafter_params=dparams)
-    args = (dparams, st.drafter_state, st.tokens, st.num_tokens,
-            jax.random.key(1), k)
+    args = (dparams, st.drafter_state, st.context, jax.random.key(1), k)
     if nodes:
       return drafter.propose_tree(*args, nodes, SamplingParams())
     return drafter.propose(*args, SamplingParams())
@@ -473,11 +473,11 @@ def test_leviathan_with_real_head_draft_probabilities(tmp_path):
   out = decoder.forward(tparams, tcfg, prompt,
                       decoder.init_cache(tcfg, 1, 16), taps=hcfg.taps)
   drafter = EagleDrafter(hcfg)
-  state = drafter.init(dparams, prompt, jnp.array([6]), 16, k,
+  state = drafter.init(dparams, Context(prompt, jnp.array([6])), 16, k,
                        jnp.concatenate(list(out.taps), -1))
   tokens = jnp.zeros((1, 16), jnp.int32).at[0, :7].set(
       jnp.array([4, 8, 15, 16, 23, 30, 31]))
-  prop = drafter.propose(dparams, state, tokens, jnp.array([7]),
+  prop = drafter.propose(dparams, state, Context(tokens, jnp.array([7])),
                          jax.random.key(5), k, sampling)
   p_KV = np.asarray(prop.probs[0])
   assert np.allclose(p_KV.sum(-1), 1, atol=1e-5)

@@ -241,6 +241,30 @@ def test_prompt_lengths_outside_the_padded_prompt_stop_at_once(tiny):
     assert row == alone[0]
 
 
+def test_a_drafter_outside_the_protocol_is_refused_naming_what_it_lacks():
+  """Invariant: every shipped drafter is a ``Drafter`` (the typed protocol,
+  checked at run time); an object that is not -- here one with only a
+  ``propose`` -- is refused when the ``DecodeConfig`` is built, naming the
+  members it lacks."""
+  from specjax.drafters import (Drafter, DraftModelDrafter, EagleDrafter,
+                                LookupDrafter, MedusaDrafter, RetrievalDrafter)
+  from tests.test_eagle_ttt import CFG as EAGLE
+  from tests.test_medusa import CFG as MEDUSA
+  target = Decoder(testing.CONFIGS["llama_gqa_tied"])
+  for drafter in (NGramDrafter(), RetrievalDrafter(), LookupDrafter(),
+                  DraftModelDrafter(target), EagleDrafter(EAGLE),
+                  MedusaDrafter(MEDUSA)):
+    assert isinstance(drafter, Drafter), type(drafter).__name__
+
+  class OnlyPropose:
+    def propose(self, *args):
+      del args
+
+  with pytest.raises(TypeError, match="OnlyPropose lacks feature_taps, "
+                     "needs_params, init, commit"):
+    engine.DecodeConfig(capacity=64, drafter=OnlyPropose(), num_draft=2)
+
+
 @pytest.mark.parametrize("name", ["layer_skip", "retrieval"])
 def test_a_drafter_without_its_params_is_named(tiny, name):
   """Invariant: a drafter that needs parameters (here layer-skip's target

@@ -106,8 +106,7 @@ def test_medusa_drafts_each_depths_top_k(tmp_path):
                                tree_nodes=nodes)
     st = engine.prefill(tparams, prompt_BT, lengths, jax.random.key(0), 8,
                         target=Decoder(tcfg), dcfg=dcfg, drafter_params=dparams)
-    return (dparams, st.drafter_state, st.tokens, st.num_tokens,
-            jax.random.key(1), k)
+    return (dparams, st.drafter_state, st.context, jax.random.key(1), k)
 
   want = []  # [B, depth, ranks]: each depth's ranking, from a plain forward
   for b, p in enumerate(prompts):
@@ -121,7 +120,7 @@ def test_medusa_drafts_each_depths_top_k(tmp_path):
   chain = MedusaDrafter(cfg).propose(*start(MedusaDrafter(cfg), 3),
                                      SamplingParams())
   np.testing.assert_array_equal(chain.tokens, want[:, :, 0])
-  assert chain.num_draft.tolist() == [3, 3]
+  assert chain.num_drafted.tolist() == [3, 3]
   drafter = MedusaDrafter(cfg, tree_shape=SHAPE_2X2X1)
   args = start(drafter, 3, 10)
   t = drafter.propose_tree(*args, 10, SamplingParams()).tree
@@ -129,7 +128,7 @@ def test_medusa_drafts_each_depths_top_k(tmp_path):
   for m, path in enumerate(shape.paths(), 1):
     np.testing.assert_array_equal(t.tokens[:, m],
                                   want[:, len(path) - 1, path[-1]])
-  newest = args[2][jnp.arange(2), args[3] - 1]  # the prefill's sample
+  newest = args[2].newest()  # the prefill's sample
   np.testing.assert_array_equal(t.tokens[:, 0], newest)
   with pytest.raises(ValueError, match="exceeds the Medusa head's 3"):
     MedusaDrafter(cfg).propose(*start(MedusaDrafter(cfg), 4),

@@ -9,7 +9,7 @@ import tokenizers
 from specjax import testing
 from specjax import data
 from specjax.core import bucketing, engine
-from specjax.drafters import LookupDrafter, retrieval
+from specjax.drafters import Context, LookupDrafter, retrieval
 from specjax.drafters.retrieval import (Datastore, RetrievalDrafter,
                                         build_datastore, context_hashes,
                                         sharegpt_datastore)
@@ -55,17 +55,18 @@ def test_build_counts_most_frequent_continuation():
   ds = build_datastore(CORPUS, num_slots=64)
   # 13 distinct contexts of length 1..4 that have a next token.
   assert int((ds.next_token >= 0).sum()) == 13
-  prop = RetrievalDrafter().propose(ds, None, jnp.array([[1, 2, 3]]),
-                                    jnp.array([3]), None, 1, None)
+  prop = RetrievalDrafter().propose(
+      ds, None, Context(jnp.array([[1, 2, 3]]), jnp.array([3])), None, 1, None)
   assert prop.tokens.tolist() == [[9]]
   conf = ds.confidence[ds.next_token >= 0]
   assert sorted(np.round(conf, 4).tolist())[:2] == [0.5, 0.5]  # "3", "2 3"
   assert np.isclose(conf, 2 / 3).sum() == 1  # "1 2 3"
   # Stream boundaries: nothing follows 5 or 9 although 5 precedes the next
   # stream's 1 in the concatenation.
-  prop = RetrievalDrafter().propose(ds, None, jnp.array([[5], [9]]),
-                                    jnp.array([1, 1]), None, 2, None)
-  assert prop.num_draft.tolist() == [0, 0]
+  prop = RetrievalDrafter().propose(
+      ds, None, Context(jnp.array([[5], [9]]), jnp.array([1, 1])), None, 2,
+      None)
+  assert prop.num_drafted.tolist() == [0, 0]
   # One slot: only the single most frequent pair survives ("2" -> 3, 4x).
   one = build_datastore(CORPUS, num_slots=1)
   assert one.next_token.tolist() == [3] and one.confidence.tolist() == [1.0]
@@ -82,8 +83,8 @@ def test_proposals_longest_suffix_chaining_and_ragged():
                       [0, 9, 0, 0, 0, 0]])
   num = jnp.array([3, 3, 3, 4, 2])
   drafter = RetrievalDrafter()
-  prop = jax.jit(drafter.propose, static_argnums=(5,))(ds, None, tokens, num,
-                                                        None, 4, None)
+  prop = jax.jit(drafter.propose, static_argnums=(4,))(
+      ds, None, Context(tokens, num), None, 4, None)
   assert prop.probs is None
   # Row 0: "1 2 3" -> 9 (2 of 3), then nothing follows 9.
   # Row 1: "7 2 3" -> 4 (not "2 3" -> 4/9 tie, not "3"); then "7 2 3 4" is
@@ -94,20 +95,20 @@ def test_proposals_longest_suffix_chaining_and_ragged():
   np.testing.assert_array_equal(prop.tokens, [[9, 0, 0, 0], [4, 5, 0, 0],
                                               [3, 4, 5, 0], [0, 0, 0, 0],
                                               [0, 0, 0, 0]])
-  np.testing.assert_array_equal(prop.num_draft, [1, 2, 3, 0, 0])
+  np.testing.assert_array_equal(prop.num_drafted, [1, 2, 3, 0, 0])
   # K bounds the chain.
-  short = drafter.propose(ds, None, tokens, num, None, 2, None)
-  np.testing.assert_array_equal(short.num_draft, [1, 2, 2, 0, 0])
+  short = drafter.propose(ds, None, Context(tokens, num), None, 2, None)
+  np.testing.assert_array_equal(short.num_drafted, [1, 2, 2, 0, 0])
   # "2 3" -> 4 has confidence 1/2 and "1 2 3" -> 9 has 2/3.
-  picky = RetrievalDrafter(min_confidence=0.6).propose(ds, None, tokens, num,
-                                                       None, 4, None)
-  np.testing.assert_array_equal(picky.num_draft, [1, 2, 1, 0, 0])
+  picky = RetrievalDrafter(min_confidence=0.6).propose(
+      ds, None, Context(tokens, num), None, 4, None)
+  np.testing.assert_array_equal(picky.num_drafted, [1, 2, 1, 0, 0])
   np.testing.assert_array_equal(picky.tokens[2], [3, 0, 0, 0])
   # A table built without the short orders cannot back off to them.
   long_only = RetrievalDrafter(n_min=3).propose(
-      build_datastore(CORPUS, n_min=3, num_slots=64), None, tokens, num, None,
-      4, None)
-  np.testing.assert_array_equal(long_only.num_draft, [1, 2, 0, 0, 0])
+      build_datastore(CORPUS, n_min=3, num_slots=64), None,
+      Context(tokens, num), None, 4, None)
+  np.testing.assert_array_equal(long_only.num_drafted, [1, 2, 0, 0, 0])
 
 
 def test_tree_follows_every_suffix_order():
@@ -119,8 +120,8 @@ def test_tree_follows_every_suffix_order():
   tokens = jnp.array([[1, 2, 3, 0, 0], [7, 2, 3, 0, 0], [6, 6, 0, 0, 0]])
   num = jnp.array([3, 3, 2])
   drafter = RetrievalDrafter()
-  propose_tree = jax.jit(drafter.propose_tree, static_argnums=(5, 6))
-  tree = propose_tree(ds, None, tokens, num, None, 3, 6, None).tree
+  propose_tree = jax.jit(drafter.propose_tree, static_argnums=(4, 5))
+  tree = propose_tree(ds, None, Context(tokens, num), None, 3, 6, None).tree
   # Row 0: "1 2 3" -> 9 (then nothing); "2 3" -> 4 (tie with 9: lower id),
   #   then "1 2 3 4" -> 5; "3" -> 4 as well (merged). Row 1: every order
   #   says 4, then 5. Row 2: 6 never seen.
@@ -132,10 +133,10 @@ def test_tree_follows_every_suffix_order():
                                                      [6, 0, 0, 0]])
   np.testing.assert_array_equal(tree.parents[:2, :4], [[0, 0, 0, 2],
                                                        [0, 0, 1, 0]])
-  chain = drafter.propose(ds, None, tokens, num, None, 3, None)
+  chain = drafter.propose(ds, None, Context(tokens, num), None, 3, None)
   np.testing.assert_array_equal(chain.tokens[:2, :2], [[9, 0], [4, 5]])
   # Two nodes: breadth first keeps both first tokens of row 0.
-  two = propose_tree(ds, None, tokens, num, None, 3, 2, None).tree
+  two = propose_tree(ds, None, Context(tokens, num), None, 3, 2, None).tree
   np.testing.assert_array_equal(two.tokens[0], [3, 9, 4])
 
 
@@ -151,11 +152,11 @@ def test_lookup_drafts_ngram_then_retrieval():
                       [1, 2, 3, 1, 2, 3]])
   num = jnp.array([3, 4, 6])
   drafter = LookupDrafter()
-  chain = drafter.propose(ds, None, tokens, num, None, 3, None)
-  np.testing.assert_array_equal(chain.num_draft, [1, 2, 3])
+  chain = drafter.propose(ds, None, Context(tokens, num), None, 3, None)
+  np.testing.assert_array_equal(chain.num_drafted, [1, 2, 3])
   np.testing.assert_array_equal(chain.tokens, [[9, 0, 0], [5, 6, 0],
                                                [1, 2, 3]])
-  tree = drafter.propose_tree(ds, None, tokens, num, None, 3, 8, None).tree
+  tree = drafter.propose_tree(ds, None, Context(tokens, num), None, 3, 8, None).tree
   # Row 2: n-gram's 1 2 3, then the datastore's 9 ("1 2 3") and 4 5 ("2 3").
   np.testing.assert_array_equal(tree.tokens[2, :7], [3, 1, 9, 4, 2, 5, 3])
   np.testing.assert_array_equal(tree.parents[2, :7], [0, 0, 0, 0, 1, 3, 4])

@@ -9,7 +9,7 @@ from specjax import testing
 from specjax.core import bucketing, engine
 from specjax.core import tree as trees
 from specjax.core.sampling import SamplingParams, warp
-from specjax.drafters import NGramDrafter
+from specjax.drafters import Context, NGramDrafter
 from specjax.models.decoder import Decoder
 
 # Repetitive prompts so prompt lookup has something to find.
@@ -36,8 +36,9 @@ def test_ngram_proposals():
   tokens = jnp.array([[5, 6, 7, 8, 5, 6, 0, 0], [1, 2, 3, 0, 0, 0, 0, 0],
                       [4, 9, 4, 0, 0, 0, 0, 0], [2, 7, 1, 2, 8, 1, 2, 0]])
   num = jnp.array([6, 3, 3, 7])
-  prop = NGramDrafter(n_max=3).propose(None, None, tokens, num, None, 3, None)
-  np.testing.assert_array_equal(prop.num_draft, [3, 0, 2, 3])
+  prop = NGramDrafter(n_max=3).propose(None, None, Context(tokens, num), None,
+                                       3, None)
+  np.testing.assert_array_equal(prop.num_drafted, [3, 0, 2, 3])
   np.testing.assert_array_equal(prop.tokens, [[7, 8, 5], [0, 0, 0],
                                               [9, 4, 0], [8, 1, 2]])
 

@@ -86,6 +86,7 @@ def head_program(cfg: ModelConfig, B: int, K: int, dtype, context: int):
   """``(jitted propose, (params, state, tokens, num_tokens, key))``: an
   EAGLE-3 head drafting K tokens greedily after a verify of K + 1."""
   from specjax.core.sampling import SamplingParams
+  from specjax.drafters.base import Context
   from specjax.drafters.eagle import EagleDrafter, EagleParams
   from specjax.heads import head_module
   from specjax.heads.base import HeadConfig
@@ -101,18 +102,19 @@ def head_program(cfg: ModelConfig, B: int, K: int, dtype, context: int):
     )["params"]
     params = EagleParams(jax.tree.map(lambda a: a.astype(dtype), head),
                          jnp.arange(hcfg.draft_vocab, dtype=jnp.int32), embed)
-    state = drafter.init(params, jnp.ones((B, context), jnp.int32),
-                         jnp.full((B,), context, jnp.int32), 2 * context, K,
+    prompt = Context(jnp.ones((B, context), jnp.int32),
+                     jnp.full((B,), context, jnp.int32))
+    state = drafter.init(params, prompt, 2 * context, K,
                          features=jnp.zeros((B, context, F), dtype))
     return params, state
 
-  def propose(params, state, tokens_BS, num_tokens_B, key):
-    p = drafter.propose(params, state, tokens_BS, num_tokens_B, key, K,
-                        SamplingParams())
+  def propose(params, state, ctx, key):
+    p = drafter.propose(params, state, ctx, key, K, SamplingParams())
     return p.tokens, p.state
   params, state = make()
-  args = (params, state, jnp.ones((B, 2 * context), jnp.int32),
-          jnp.full((B,), context + 1, jnp.int32), jax.random.key(1))
+  args = (params, state, Context(jnp.ones((B, 2 * context), jnp.int32),
+                                 jnp.full((B,), context + 1, jnp.int32)),
+          jax.random.key(1))
   return jax.jit(propose), args
 
 

@@ -44,11 +44,11 @@ from flax import struct
 
 from specjax.core import sharding, tree as trees
 from specjax.core.cache import KVCache
-from specjax.core.rows import at_rows, set_at_rows
+from specjax.core.rows import set_at_rows
 from specjax.core.sampling import (SamplingParams, require_int,
                                    sample_logits, warp)
 from specjax.core.verify import verify_chain
-from specjax.drafters.base import Drafter, Proposal, TreeDrafter
+from specjax.drafters.base import Context, Drafter, TreeDrafter
 from specjax.models.target import ForwardOutput, Target, missing_members
 
 # Per-row stop reasons (``DecodeState.stop_reason``).
@@ -103,6 +103,13 @@ class DecodeConfig:
       raise ValueError(f"capacity must be >= 1, num_draft and tree_nodes >= "
                        f"0; got {self.capacity}, {self.num_draft}, "
                        f"{self.tree_nodes}")
+    if self.drafter is not None and not isinstance(self.drafter, Drafter):
+      missing = [m for m in ("feature_taps", "needs_params", "init",
+                             "propose", "commit")
+                 if not hasattr(self.drafter, m)]
+      raise TypeError(f"drafter must implement specjax.drafters.Drafter; "
+                      f"{type(self.drafter).__name__} lacks "
+                      f"{', '.join(missing)}")
     if self.drafter is not None and self.num_draft < 1:
       raise ValueError(f"a drafter needs num_draft >= 1, got "
                        f"{self.num_draft}")
@@ -179,6 +186,11 @@ class DecodeState:
   def num_new_tokens(self) -> jax.Array:
     return self.num_tokens - self.prompt_lengths
 
+  @property
+  def context(self) -> Context:
+    """The committed tokens, as drafters see them."""
+    return Context(tokens=self.tokens, num_tokens=self.num_tokens)
+
 
 def _laid_out(state: DecodeState, target: Target,
               dcfg: DecodeConfig) -> DecodeState:
@@ -200,7 +212,7 @@ def _update_stops(state: DecodeState, hit_eos_B: jax.Array,
       (STOP_NONFINITE, False if nonfinite_B is None else nonfinite_B),
       (STOP_EOS, hit_eos_B),
       (STOP_BUDGET, state.num_new_tokens >= state.max_new_tokens),
-      # The token buffer is full: AR's clause for every method (``_propose``
+      # The token buffer is full: AR's clause for every method (``_draft``
       # clips the drafts to the slots left, so speculation never stops a
       # row earlier than AR would).
       (STOP_CAPACITY, state.num_tokens >= dcfg.capacity),
@@ -311,7 +323,7 @@ def prefill(params, prompt_BT: jax.Array,
                     f"``.target``); {type(target).__name__} lacks "
                     f"{', '.join(missing)}")
   if (dcfg.drafter is not None and drafter_params is None
-      and getattr(dcfg.drafter, "needs_params", False)):
+      and dcfg.drafter.needs_params):
     raise TypeError(f"{type(dcfg.drafter).__name__} needs drafter_params "
                     f"(its head, weights or datastore); got None")
   B, Tp = prompt_BT.shape
@@ -336,8 +348,9 @@ def prefill(params, prompt_BT: jax.Array,
                        mode="drop")
   drafter_state = None
   if dcfg.drafter is not None:
-    drafter_state = dcfg.drafter.init(drafter_params, prompt_BT, lengths, S,
-                                      dcfg.k, _features(out))
+    drafter_state = dcfg.drafter.init(drafter_params,
+                                      Context(prompt_BT, lengths), S, dcfg.k,
+                                      _features(out))
   zeros_B = jnp.zeros((B,), jnp.int32)
   state = DecodeState(
       tokens=tokens, num_tokens=lengths + ok_B, prompt_lengths=lengths,
@@ -395,38 +408,107 @@ def _score_prompt(params, target: Target, prompt_BT, lengths_B, cache, taps,
                        taps=taps_by_chunk if taps else None)
 
 
-def _propose(drafter_params, state: DecodeState, dcfg: DecodeConfig,
-             key: jax.Array) -> Proposal:
-  """Up to K drafts per row from the drafter, clipped to what the row's
-  buffer can still take (a step emits up to drafts + 1 tokens); AR (K = 0):
-  none."""
-  if dcfg.k:
-    prop = dcfg.drafter.propose(drafter_params, state.drafter_state,
-                                state.tokens, state.num_tokens, key, dcfg.k,
-                                dcfg.sampling)
-    room_B = jnp.maximum(dcfg.capacity - state.num_tokens - 1, 0)
-    return prop.replace(num_draft=jnp.minimum(prop.num_draft, room_B))
-  B = state.tokens.shape[0]
-  return Proposal(tokens=jnp.zeros((B, 0), jnp.int32), probs=None,
-                  num_draft=jnp.zeros((B,), jnp.int32),
-                  state=state.drafter_state)
+@struct.dataclass
+class _Draft:
+  """One step's drafts as the block the target scores: a chain's
+  ``[newest token, drafts]`` at the next positions under the causal mask,
+  or a tree's nodes at their depths under the ancestor mask.
+
+  Attributes:
+    block: ``int32[B, W]`` the tokens scored, W = ``DecodeConfig.block``.
+    num_drafted: ``int32[B]`` drafted tokens (nodes) per row, the newest
+      token not counted.
+    drafter_state: the drafter's state after proposing.
+    probs: a chain's draft distributions ``f32[B, K, V]``, or None (a
+      deterministic drafter, a tree).
+    tree: a tree step's ``core.tree.Tree``, or None (a chain).
+    anc: the tree's ancestor mask ``bool[B, W, W]``, or None.
+  """
+  block: jax.Array
+  num_drafted: jax.Array
+  drafter_state: Any
+  probs: Optional[jax.Array] = None
+  tree: Optional[trees.Tree] = None
+  anc: Optional[jax.Array] = None
 
 
-def _score(params, state: DecodeState, prop: Proposal, live_B: jax.Array, *,
+def _draft(drafter_params, state: DecodeState, dcfg: DecodeConfig,
+           key: jax.Array) -> _Draft:
+  """The drafter's chain or tree, cut to what the row's buffer and cache
+  can still take (a step emits up to its accepted depth + 1 tokens); AR
+  (K = 0): the newest token alone."""
+  ctx = state.context
+  room_B = dcfg.capacity - ctx.num_tokens - 1  # < 0 only in a stopped row
+  if dcfg.tree_nodes:
+    prop = dcfg.drafter.propose_tree(drafter_params, state.drafter_state, ctx,
+                                     key, dcfg.k, dcfg.tree_nodes,
+                                     dcfg.sampling)
+    tree = prop.tree
+    anc_BMM = trees.ancestors(tree.parents, tree.valid)
+    fits_BM = ((trees.depths(anc_BMM) <= room_B[:, None])
+               & (jnp.arange(dcfg.block)[None, :] <= room_B[:, None] + 1))
+    tree = tree.replace(valid=tree.valid & fits_BM)
+    return _Draft(block=tree.tokens, num_drafted=tree.num_drafted,
+                  drafter_state=prop.state, tree=tree, anc=anc_BMM)
+  newest_B1 = ctx.newest()[:, None]
+  if not dcfg.k:
+    return _Draft(block=newest_B1, num_drafted=jnp.zeros_like(room_B),
+                  drafter_state=state.drafter_state)
+  prop = dcfg.drafter.propose(drafter_params, state.drafter_state, ctx, key,
+                              dcfg.k, dcfg.sampling)
+  return _Draft(block=jnp.concatenate([newest_B1, prop.tokens], axis=1),
+                num_drafted=jnp.minimum(prop.num_drafted,
+                                        jnp.maximum(room_B, 0)),
+                drafter_state=prop.state, probs=prop.probs)
+
+
+def _score(params, cache: KVCache, draft: _Draft, live_B: jax.Array, *,
            target: Target, dcfg: DecodeConfig):
-  """The target forward over ``[newest token, drafts]``: ``(out, wide)``.
-  When no live row drafted (no n-gram match, an unconfident head), it scores
-  the newest token alone (``wide`` False): on a CPU a forward over K + 1
-  tokens costs more than a one-token one."""
-  K = dcfg.k
-  last_B = at_rows(state.tokens, state.num_tokens - 1)
-  block_BT = jnp.concatenate([last_B[:, None], prop.tokens], axis=1)
-  verify = functools.partial(_verify_forward, params, target, block_BT,
-                             state.cache, _feature_taps(dcfg))
-  wide = jnp.any((prop.num_draft > 0) & live_B)
-  if not K:
+  """The target forward over the draft's block: ``(out, wide)``. When no
+  live row drafted (no n-gram match, an unconfident head), it scores the
+  newest token alone (``wide`` False): on a CPU a forward over the block
+  costs more than a one-token one."""
+  positions_BT = mask_BTT = None
+  if draft.tree is not None:
+    positions_BT = trees.positions(cache.lengths, draft.anc)
+    mask_BTT = draft.anc
+  verify = functools.partial(_verify_forward, params, target, draft.block,
+                             cache, _feature_taps(dcfg),
+                             positions_BT=positions_BT, mask_BTT=mask_BTT)
+  wide = jnp.any((draft.num_drafted > 0) & live_B)
+  if not dcfg.k:
     return verify(1), wide
-  return jax.lax.cond(wide, lambda: verify(K + 1), lambda: verify(1)), wide
+  return jax.lax.cond(wide, lambda: verify(dcfg.block),
+                      lambda: verify(1)), wide
+
+
+def _verify(draft: _Draft, logits_BTV: jax.Array, live_B: jax.Array,
+            key: jax.Array, dcfg: DecodeConfig):
+  """Exact verification of the draft against the target's logits, after
+  the non-finite cut (module doc): ``(result, rows that stop)``; the
+  result's ``path`` is the accepted nodes by depth, None for a chain (its
+  path is its first positions)."""
+  if draft.tree is None:
+    logits, num_drafted_B, nonfinite_B = _chain_cut(
+        logits_BTV, draft.num_drafted, live_B)
+    res = verify_chain(draft.block[:, 1:], draft.probs,
+                       warp(logits, dcfg.sampling), num_drafted_B, key,
+                       greedy=dcfg.sampling.greedy)
+    return res, None, nonfinite_B
+  logits, tree, nonfinite_B = _tree_cut(logits_BTV, draft.tree, draft.anc,
+                                        live_B)
+  res = trees.verify_tree(tree, draft.anc, warp(logits, dcfg.sampling), key,
+                          dcfg.sampling, dcfg.k)
+  return res, res.path, nonfinite_B
+
+
+def _on_path(x, path_BK1: Optional[jax.Array]):
+  """The block positions on the accepted path, in depth order (every leaf
+  of ``x`` indexed ``[B, W, ...]``); a chain's block as it is."""
+  if x is None or path_BK1 is None:
+    return x
+  return jax.tree.map(lambda a: jnp.take_along_axis(
+      a, path_BK1.reshape(path_BK1.shape + (1,) * (a.ndim - 2)), axis=1), x)
 
 
 def _emit(state: DecodeState, tokens_BT: jax.Array, num_emitted_B: jax.Array,
@@ -434,7 +516,7 @@ def _emit(state: DecodeState, tokens_BT: jax.Array, num_emitted_B: jax.Array,
   """Writes each live row's verified tokens at its own offset, cut after an
   EOS and at the budget: ``(tokens, n, hit_eos)``, with ``n[b]`` the tokens
   row b emitted. The buffer always has room: a live row has a free slot and
-  ``_propose`` clipped its drafts to the slots left."""
+  ``_draft`` cut its drafts to the slots left."""
   B, T = tokens_BT.shape
   S = dcfg.capacity
   idx_T = jnp.arange(T)[None, :]
@@ -479,98 +561,37 @@ def _tally(state: DecodeState, cache: KVCache, live_B: jax.Array,
 def step(params, state: DecodeState, *,
          target: Target, dcfg: DecodeConfig,
          drafter_params: Any = None) -> DecodeState:
-  """Propose -> score (one target forward) -> verify -> emit -> tally, for a
-  chain or (``dcfg.tree_nodes``) a tree.
+  """Draft -> score (one target forward) -> verify -> emit -> commit ->
+  tally, for a chain or (``dcfg.tree_nodes``) a tree.
 
   Rows already stopped still ride along in the batch (fixed shapes) but their
-  tokens, lengths and statistics do not move.
+  tokens, lengths and statistics do not move. The target's new cache
+  entries are the accepted path's, written contiguously from the newest
+  token's slot (a chain's path is its block's first positions).
   """
-  step_fn = _tree_step if dcfg.tree_nodes else _chain_step
-  return _laid_out(step_fn(params, state, target, dcfg, drafter_params),
-                   target, dcfg)
-
-
-def _chain_step(params, state: DecodeState, target: Target,
-                dcfg: DecodeConfig, drafter_params) -> DecodeState:
-  """Propose a chain -> score -> ``verify_chain`` -> emit -> tally."""
   live_B = ~state.done
   key, k_draft, k_verify = jax.random.split(state.key, 3)
-  prop = _propose(drafter_params, state, dcfg, k_draft)
-  out, wide = _score(params, state, prop, live_B, target=target,
+  draft = _draft(drafter_params, state, dcfg, k_draft)
+  out, wide = _score(params, state.cache, draft, live_B, target=target,
                      dcfg=dcfg)
-  logits, num_draft_B, nonfinite_B = _chain_cut(out.logits, prop.num_draft,
-                                                live_B)
+  res, path_BK1, nonfinite_B = _verify(draft, out.logits, live_B, k_verify,
+                                       dcfg)
   live_B &= ~nonfinite_B
-  res = verify_chain(prop.tokens, prop.probs, warp(logits, dcfg.sampling),
-                     num_draft_B, k_verify, greedy=dcfg.sampling.greedy)
   tokens, n_B, hit_eos_B = _emit(state, res.tokens, res.num_emitted, live_B,
                                  dcfg)
-  num_tokens = state.num_tokens + n_B
-  drafter_state = prop.state
-  if dcfg.k:
-    drafter_state = dcfg.drafter.commit(drafter_params, drafter_state, tokens,
-                                        num_tokens, _features(out))
-  state = state.replace(tokens=tokens, num_tokens=num_tokens,
+  ctx = Context(tokens=tokens, num_tokens=state.num_tokens + n_B)
+  drafter_state = draft.drafter_state
+  if dcfg.k:  # the drafter sees a tree's path as a chain
+    drafter_state = dcfg.drafter.commit(drafter_params, drafter_state, ctx,
+                                        _on_path(_features(out), path_BK1))
+  state = state.replace(tokens=ctx.tokens, num_tokens=ctx.num_tokens,
                         drafter_state=drafter_state, key=key)
-  cache = state.cache.write(out.new_kv, state.cache.new_slots(dcfg.block))
-  state = _tally(state, cache, live_B, wide, prop.num_draft,
-                 res.num_accepted, dcfg.k)
-  return _update_stops(state, hit_eos_B, dcfg, nonfinite_B)
-
-
-def _propose_tree(drafter_params, state: DecodeState, dcfg: DecodeConfig,
-                  key: jax.Array):
-  """The drafter's tree, its nodes cut where the row's buffer or cache could
-  not take them (depth past the slots left, or a node slot past the
-  capacity): ``(tree, ancestors, drafter_state)``."""
-  prop = dcfg.drafter.propose_tree(drafter_params, state.drafter_state,
-                                   state.tokens, state.num_tokens, key, dcfg.k,
-                                   dcfg.tree_nodes, dcfg.sampling)
-  tree = prop.tree
-  anc_BMM = trees.ancestors(tree.parents, tree.valid)
-  room_B = dcfg.capacity - state.num_tokens - 1
-  fits_BM = ((trees.depths(anc_BMM) <= room_B[:, None])
-             & (jnp.arange(dcfg.block)[None, :] <= room_B[:, None] + 1))
-  return tree.replace(valid=tree.valid & fits_BM), anc_BMM, prop.state
-
-
-def _tree_step(params, state: DecodeState, target: Target,
-               dcfg: DecodeConfig, drafter_params) -> DecodeState:
-  """Propose a tree -> score its nodes in one forward -> ``verify_tree`` ->
-  write the accepted path's cache entries -> emit -> tally."""
-  live_B = ~state.done
-  key, k_draft, k_verify = jax.random.split(state.key, 3)
-  tree, anc_BMM, drafter_state = _propose_tree(drafter_params, state, dcfg,
-                                               k_draft)
-  base_B = state.cache.lengths
-  verify = functools.partial(
-      _verify_forward, params, target, tree.tokens, state.cache,
-      _feature_taps(dcfg), positions_BT=trees.positions(base_B, anc_BMM),
-      mask_BTT=anc_BMM)
-  wide = jnp.any((tree.num_drafted > 0) & live_B)
-  out = jax.lax.cond(wide, lambda: verify(dcfg.block), lambda: verify(1))
-  logits, tree, nonfinite_B = _tree_cut(out.logits, tree, anc_BMM, live_B)
-  live_B &= ~nonfinite_B
-  res = trees.verify_tree(tree, anc_BMM, warp(logits, dcfg.sampling),
-                          k_verify, dcfg.sampling, dcfg.k)
-  tokens, n_B, hit_eos_B = _emit(state, res.tokens, res.num_emitted, live_B,
-                                 dcfg)
-  num_tokens = state.num_tokens + n_B
-  features = _features(out)
-  if features is not None:  # the drafter sees the path as a chain
-    features = jnp.take_along_axis(features, res.path[..., None], axis=1)
-  drafter_state = dcfg.drafter.commit(drafter_params, drafter_state, tokens,
-                                      num_tokens, features)
-  state = state.replace(tokens=tokens, num_tokens=num_tokens,
-                        drafter_state=drafter_state, key=key)
-  # Only the accepted path's entries are written, contiguously from the
-  # root's slot: node path[d] goes to base + d.
-  path_kv = jax.tree.map(lambda a: jnp.take_along_axis(
-      a, res.path[:, :, None, None], axis=1), out.new_kv)
-  cache = state.cache.write(path_kv, state.cache.new_slots(dcfg.k + 1))
-  state = _tally(state, cache, live_B, wide, tree.num_drafted,
-                 res.num_accepted, dcfg.k, res.path)
-  return _update_stops(state, hit_eos_B, dcfg, nonfinite_B)
+  cache = state.cache.write(_on_path(out.new_kv, path_BK1),
+                            state.cache.new_slots(dcfg.k + 1))
+  state = _tally(state, cache, live_B, wide, draft.num_drafted,
+                 res.num_accepted, dcfg.k, path_BK1)
+  return _laid_out(_update_stops(state, hit_eos_B, dcfg, nonfinite_B),
+                   target, dcfg)
 
 
 def generate(params, prompt_BT: jax.Array,

@@ -3,19 +3,21 @@
 A drafter (the ``base.Drafter`` protocol) is a frozen (hashable) dataclass --
 a static argument of the jitted engine -- with three pure methods; its
 parameters (if any) travel separately as a pytree argument and its mutable
-state (e.g. its own KV cache) lives in ``DecodeState.drafter_state``. K comes
-from ``DecodeConfig.num_draft``, passed to ``init`` and ``propose``:
+state (e.g. its own KV cache) lives in ``DecodeState.drafter_state``.
+``num_draft`` (K), the static most drafts per step, comes from
+``DecodeConfig.num_draft``, passed to ``init`` and ``propose``:
 
-  init(params, prompt_BT, prompt_lengths_B, capacity, num_draft, features)
+  init(params, prompt: Context, capacity, num_draft, features)
       -> drafter_state
-  propose(params, drafter_state, tokens_BS, num_tokens_B, key, num_draft,
-          sampling) -> Proposal
-  commit(params, drafter_state, tokens_BS, num_tokens_B, features)
-      -> drafter_state
+  propose(params, drafter_state, ctx: Context, key, num_draft, sampling)
+      -> Proposal
+  commit(params, drafter_state, ctx: Context, features) -> drafter_state
 
-``propose`` sees each row's committed tokens (``tokens[b, :num_tokens[b]]``)
-and returns up to K drafts per row; ``commit`` runs after verification with
-the new ``num_tokens`` so the drafter can roll its own state back by lengths.
+A ``base.Context`` is each row's committed tokens, ``ctx.tokens[b,
+:ctx.num_tokens[b]]`` (the prompts at ``init``). ``propose`` returns up to
+K drafts per row (``Proposal.num_drafted`` of them); ``commit`` runs after
+verification with the new context so the drafter can roll its own state
+back by lengths.
 A drafter that reads the target's hidden states (EAGLE) names the layers in
 its ``feature_taps`` (empty for the others); the engine then passes
 ``features``: the concatenated inputs of those target layers for the tokens
@@ -28,14 +30,15 @@ datastore) is refused without its ``params``.
 A ``base.TreeDrafter`` (n-gram, retrieval, both together, EAGLE, Medusa,
 and a head with the tables' trie merged in: ``union.TreeUnion``) also has
 
-  propose_tree(params, drafter_state, tokens_BS, num_tokens_B, key,
-               num_draft, num_nodes, sampling) -> TreeProposal
+  propose_tree(params, drafter_state, ctx: Context, key, num_draft,
+               num_nodes, sampling) -> TreeProposal
 
 returning a ``specjax.core.tree.Tree`` of up to ``num_nodes`` drafted nodes at
 most K deep, fixed before the target scores it (``DecodeConfig.tree_nodes``).
 """
 
-from specjax.drafters.base import Drafter, Proposal, TreeDrafter, TreeProposal
+from specjax.drafters.base import (Context, Drafter, Proposal, TreeDrafter,
+                                   TreeProposal)
 from specjax.drafters.draft_model import DraftModelDrafter, LayerSkipDrafter
 from specjax.drafters.eagle import EagleDrafter, EagleParams
 from specjax.drafters.lookup import LookupDrafter
@@ -44,7 +47,7 @@ from specjax.drafters.ngram import NGramDrafter
 from specjax.drafters.retrieval import (Datastore, RetrievalDrafter,
                                         build_datastore, sharegpt_datastore)
 
-__all__ = ["Datastore", "DraftModelDrafter", "Drafter", "EagleDrafter",
+__all__ = ["Context", "Datastore", "DraftModelDrafter", "Drafter", "EagleDrafter",
            "EagleParams", "LayerSkipDrafter", "LookupDrafter", "MedusaDrafter",
            "MedusaParams",
            "NGramDrafter",

@@ -1,4 +1,5 @@
-"""The drafter protocol, what a drafter returns, and the stateless base."""
+"""The drafter protocol, what a drafter sees and returns, and the stateless
+base."""
 
 from __future__ import annotations
 
@@ -8,7 +9,25 @@ import jax
 from flax import struct
 
 from specjax.core.rows import at_rows
-from specjax.core.tree import trie
+from specjax.core.sampling import SamplingParams
+from specjax.core.tree import Tree, trie
+
+
+@struct.dataclass
+class Context:
+  """Each row's committed tokens: ``tokens[b, :num_tokens[b]]`` (at
+  ``init``, the prompts; later, the prompt plus what the row generated).
+
+  Attributes:
+    tokens: ``int32[B, S]`` left-aligned, the rest of each row unused.
+    num_tokens: ``int32[B]`` valid entries per row, at least 1.
+  """
+  tokens: jax.Array
+  num_tokens: jax.Array
+
+  def newest(self) -> jax.Array:
+    """``int32[B]``: each row's last committed token."""
+    return at_rows(self.tokens, self.num_tokens - 1)
 
 
 @struct.dataclass
@@ -16,15 +35,16 @@ class Proposal:
   """Drafts for one step.
 
   Attributes:
-    tokens: ``int32[B, K]`` drafted tokens (entries past ``num_draft`` unused).
+    tokens: ``int32[B, K]`` drafted tokens (entries past ``num_drafted``
+      unused); K is the step's ``num_draft``.
     probs: ``f32[B, K, V]`` the warped distributions they were sampled from,
       or None for a deterministic drafter (one-hot).
-    num_draft: ``int32[B]`` drafts per row, in ``[0, K]``.
+    num_drafted: ``int32[B]`` drafts per row, in ``[0, K]``.
     state: the drafter's state after proposing.
   """
   tokens: jax.Array
   probs: Optional[jax.Array]
-  num_draft: jax.Array
+  num_drafted: jax.Array
   state: Any = None
 
 
@@ -33,10 +53,11 @@ class TreeProposal:
   """A draft tree for one step (``core.tree.Tree``, ``M = num_nodes + 1``
   nodes, depth at most K) fixed before the target scores it, and the
   drafter's state after proposing."""
-  tree: Any
+  tree: Tree
   state: Any = None
 
 
+@runtime_checkable
 class Drafter(Protocol):
   """What the engine calls (``specjax.drafters`` describes the contract).
 
@@ -57,25 +78,26 @@ class Drafter(Protocol):
   feature_taps: tuple[int, ...]
   needs_params: bool
 
-  def init(self, params, prompt_BT, prompt_lengths_B, capacity: int,
-           num_draft: int, features=None) -> Any:
-    """The state after the prefill over ``prompt_BT``."""
+  def init(self, params: Any, prompt: Context, capacity: int,
+           num_draft: int, features: Optional[jax.Array] = None) -> Any:
+    """The state after the prefill over the prompts."""
 
-  def propose(self, params, state, tokens_BS, num_tokens_B, key,
-              num_draft: int, sampling) -> Proposal:
+  def propose(self, params: Any, state: Any, ctx: Context, key: jax.Array,
+              num_draft: int, sampling: SamplingParams) -> Proposal:
     """Up to ``num_draft`` drafts per row after its committed tokens."""
 
-  def commit(self, params, state, tokens_BS, num_tokens_B, features=None
-             ) -> Any:
-    """The state after verification committed ``num_tokens_B``."""
+  def commit(self, params: Any, state: Any, ctx: Context,
+             features: Optional[jax.Array] = None) -> Any:
+    """The state after verification committed ``ctx``'s tokens."""
 
 
 @runtime_checkable
 class TreeDrafter(Drafter, Protocol):
   """A drafter that can also propose trees (``DecodeConfig.tree_nodes``)."""
 
-  def propose_tree(self, params, state, tokens_BS, num_tokens_B, key,
-                   num_draft: int, num_nodes: int, sampling) -> TreeProposal:
+  def propose_tree(self, params: Any, state: Any, ctx: Context,
+                   key: jax.Array, num_draft: int, num_nodes: int,
+                   sampling: SamplingParams) -> TreeProposal:
     """A tree of up to ``num_nodes`` drafted nodes, none deeper than
     ``num_draft``, whose shape and tokens do not depend on the target."""
 
@@ -88,28 +110,26 @@ class Stateless:
   feature_taps: ClassVar[tuple[int, ...]] = ()
   needs_params: ClassVar[bool] = False
 
-  def init(self, params, prompt_BT, prompt_lengths_B, capacity, num_draft,
+  def init(self, params, prompt: Context, capacity, num_draft,
            features=None):
-    del params, prompt_BT, prompt_lengths_B, capacity, num_draft, features
+    del params, prompt, capacity, num_draft, features
     return None
 
-  def commit(self, params, state, tokens_BS, num_tokens_B, features=None):
-    del params, tokens_BS, num_tokens_B, features
+  def commit(self, params, state, ctx: Context, features=None):
+    del params, ctx, features
     return state
 
 
 class TableTrie(Stateless):
   """A table drafter's tree (n-gram, retrieval, both): the trie of the
-  continuations its ``paths(params, tokens_BS, num_tokens_B, num_draft) ->
-  (tokens [B, P, K], lengths [B, P])`` returns, under the row's newest
+  continuations its ``paths(params, ctx, num_draft) -> (tokens [B, P, K],
+  lengths [B, P])`` returns, under the row's newest
   token, cut breadth first to ``num_nodes`` drafted nodes (``tree.trie``:
   shared prefixes once, siblings distinct)."""
 
-  def propose_tree(self, params, state, tokens_BS, num_tokens_B, key,
-                   num_draft, num_nodes, sampling) -> TreeProposal:
+  def propose_tree(self, params, state, ctx: Context, key, num_draft,
+                   num_nodes, sampling) -> TreeProposal:
     del key, sampling
-    paths_BPK, lengths_BP = self.paths(params, tokens_BS, num_tokens_B,
-                                       num_draft)
-    root_B = at_rows(tokens_BS, num_tokens_B - 1)
-    return TreeProposal(tree=trie(root_B, paths_BPK, lengths_BP, num_nodes),
-                        state=state)
+    paths_BPK, lengths_BP = self.paths(params, ctx, num_draft)
+    return TreeProposal(tree=trie(ctx.newest(), paths_BPK, lengths_BP,
+                                  num_nodes), state=state)

@@ -22,7 +22,7 @@ from typing import ClassVar, Optional
 import jax.numpy as jnp
 
 from specjax.core.rows import at_rows
-from specjax.drafters.base import Proposal
+from specjax.drafters.base import Context, Proposal
 from specjax.drafters.chain import draft_chain
 from specjax.models.target import Target
 
@@ -54,25 +54,26 @@ class DraftModelDrafter:
     return self.target.forward(params, tokens_BT, cache, layers=self.layers,
                                **kw)
 
-  def init(self, params, prompt_BT, prompt_lengths_B, capacity, num_draft,
+  def init(self, params, prompt: Context, capacity, num_draft,
            features=None):
     del num_draft, features
+    prompt_BT = prompt.tokens
     cache = self.target.init_cache(params, prompt_BT.shape[0], capacity,
                                    layers=self.layers)
     return self._forward(params, prompt_BT, cache,
                          logit_positions_BP=jnp.zeros_like(prompt_BT[:, :1])
-                         ).cache.with_lengths(prompt_lengths_B - 1)
+                         ).cache.with_lengths(prompt.num_tokens - 1)
 
-  def commit(self, params, cache, tokens_BS, num_tokens_B, features=None):
-    del params, tokens_BS, features
+  def commit(self, params, cache, ctx: Context, features=None):
+    del params, features
     # Roll back to entries that certainly match committed tokens: everything
     # before the newest two (the accepted drafts it fed are among them).
-    return cache.with_lengths(num_tokens_B - 2)
+    return cache.with_lengths(ctx.num_tokens - 2)
 
-  def propose(self, params, cache, tokens_BS, num_tokens_B, key, num_draft,
+  def propose(self, params, cache, ctx: Context, key, num_draft,
               sampling) -> Proposal:
-    start_B = jnp.maximum(num_tokens_B - 2, 0)
-    pair_B2 = at_rows(tokens_BS, jnp.stack([start_B, num_tokens_B - 1], 1))
+    start_B = jnp.maximum(ctx.num_tokens - 2, 0)
+    pair_B2 = at_rows(ctx.tokens, jnp.stack([start_B, ctx.num_tokens - 1], 1))
     out = self._forward(params, pair_B2, cache.with_lengths(start_B))
 
     def step(tok_B, cache):
@@ -82,7 +83,7 @@ class DraftModelDrafter:
     drafts_BK, probs_BKV, num_B, cache = draft_chain(
         out.logits[:, 1], step, out.cache, key, num_draft, sampling,
         self.min_confidence)
-    return Proposal(tokens=drafts_BK, probs=probs_BKV, num_draft=num_B,
+    return Proposal(tokens=drafts_BK, probs=probs_BKV, num_drafted=num_B,
                     state=cache)
 
 

@@ -40,8 +40,7 @@ from flax import struct
 
 from specjax.core import tree as trees
 from specjax.core.cache import KVCache, write_kv
-from specjax.core.rows import at_rows
-from specjax.drafters.base import Proposal, TreeProposal
+from specjax.drafters.base import Context, Proposal, TreeProposal
 from specjax.drafters.chain import draft_chain
 from specjax.heads import head_call
 from specjax.heads.base import HeadConfig
@@ -132,10 +131,11 @@ class EagleDrafter:
                      layers.attention(q, kc, vc, mask_BQS))
     return out, state.replace(cache=cache.replace(k=(kc,), v=(vc,)))
 
-  def init(self, params: EagleParams, prompt_BT, prompt_lengths_B, capacity,
-           num_draft, features=None):
+  def init(self, params: EagleParams, prompt: Context, capacity, num_draft,
+           features=None):
     """Pairs (g_t, x_{t+1}) for t < len - 1 go in the cache; the last
     prompt position's feature is pending (its token is the first sample)."""
+    prompt_BT, prompt_lengths_B = prompt.tokens, prompt.num_tokens
     B, Tp = prompt_BT.shape
     c = self.cfg
     state = EagleState(cache=KVCache.init(1, B, capacity, c.num_kv_heads,
@@ -151,19 +151,19 @@ class EagleDrafter:
         axis=1)
     return state.with_lengths(prompt_lengths_B - 1).replace(pending=pending)
 
-  def commit(self, params, state: EagleState, tokens_BS, num_tokens_B,
-             features=None):
-    del params, tokens_BS, num_tokens_B
+  def commit(self, params, state: EagleState, ctx: Context, features=None):
+    del params, ctx
     return state.replace(pending=features.astype(state.pending.dtype))
 
-  def _start(self, params: EagleParams, state: EagleState, tokens_BS,
-             num_tokens_B, num_draft):
+  def _start(self, params: EagleParams, state: EagleState, ctx: Context,
+             num_draft):
     """Runs the pending pairs through the head: ``(state, stable, a)`` with
     ``stable [B]`` = committed pairs now in the cache (num_tokens - 1) and
     ``a [B, D]`` the head output that predicts the first draft."""
     if state.pending.shape[1] != num_draft + 1:
       raise ValueError(f"EagleDrafter state made for K="
                        f"{state.pending.shape[1] - 1}, asked for {num_draft}")
+    tokens_BS, num_tokens_B = ctx.tokens, ctx.num_tokens
     S = tokens_BS.shape[1]
     P = state.pending.shape[1]  # K + 1 (after the prefill only row 0 is real)
     # Pending pairs: (g_t, x_{t+1}) for t = lengths .. num_tokens - 2.
@@ -177,11 +177,10 @@ class EagleDrafter:
                                axis=1)[:, 0]
     return state, state.lengths + count_B, a_BD
 
-  def propose(self, params: EagleParams, state: EagleState, tokens_BS,
-              num_tokens_B, key, num_draft, sampling) -> Proposal:
+  def propose(self, params: EagleParams, state: EagleState, ctx: Context,
+              key, num_draft, sampling) -> Proposal:
     V = params.embed.shape[0]
-    state, stable_B, a_BD = self._start(params, state, tokens_BS,
-                                        num_tokens_B, num_draft)
+    state, stable_B, a_BD = self._start(params, state, ctx, num_draft)
 
     def logits(a_BD):
       """Head output -> logits over the full vocabulary (-inf off Vd)."""
@@ -197,11 +196,11 @@ class EagleDrafter:
     drafts_BK, probs_BKV, num_B, _ = draft_chain(
         logits(a_BD), step, (scratch, a_BD), key, num_draft, sampling,
         self.min_confidence)
-    return Proposal(tokens=drafts_BK, probs=probs_BKV, num_draft=num_B,
+    return Proposal(tokens=drafts_BK, probs=probs_BKV, num_drafted=num_B,
                     state=state.with_lengths(stable_B))
 
-  def propose_tree(self, params: EagleParams, state: EagleState, tokens_BS,
-                   num_tokens_B, key, num_draft, num_nodes, sampling
+  def propose_tree(self, params: EagleParams, state: EagleState,
+                   ctx: Context, key, num_draft, num_nodes, sampling
                    ) -> TreeProposal:
     """An EAGLE-2 dynamic tree (module doc), ``num_draft`` levels deep, or
     the static ``tree_shape``."""
@@ -212,9 +211,8 @@ class EagleDrafter:
     elif self.tree_width > self.cfg.draft_vocab:
       raise ValueError(f"tree width {self.tree_width} exceeds the draft "
                        f"vocabulary ({self.cfg.draft_vocab})")
-    state, stable_B, a_BD = self._start(params, state, tokens_BS,
-                                        num_tokens_B, num_draft)
-    root_B = at_rows(tokens_BS, num_tokens_B - 1)
+    state, stable_B, a_BD = self._start(params, state, ctx, num_draft)
+    root_B = ctx.newest()
     if self.tree_shape:
       tree, _ = self._expand_static(params, state, stable_B, a_BD, root_B,
                                     shape)

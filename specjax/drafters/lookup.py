@@ -20,7 +20,7 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
-from specjax.drafters.base import Proposal, TableTrie
+from specjax.drafters.base import Context, Proposal, TableTrie
 from specjax.drafters.ngram import NGramDrafter
 from specjax.drafters.retrieval import Datastore, RetrievalDrafter
 
@@ -32,23 +32,20 @@ class LookupDrafter(TableTrie):
   retrieval: RetrievalDrafter = RetrievalDrafter()
   needs_params: ClassVar[bool] = True  # the retrieval's Datastore
 
-  def propose(self, params: Datastore, state, tokens_BS, num_tokens_B, key,
-              num_draft, sampling) -> Proposal:
-    own = self.ngram.propose(None, state, tokens_BS, num_tokens_B, key,
-                             num_draft, sampling)
-    store = self.retrieval.propose(params, state, tokens_BS, num_tokens_B,
-                                   key, num_draft, sampling)
-    use_B = own.num_draft > 0
+  def propose(self, params: Datastore, state, ctx: Context, key, num_draft,
+              sampling) -> Proposal:
+    own = self.ngram.propose(None, state, ctx, key, num_draft, sampling)
+    store = self.retrieval.propose(params, state, ctx, key, num_draft,
+                                   sampling)
+    use_B = own.num_drafted > 0
     return Proposal(
         tokens=jnp.where(use_B[:, None], own.tokens, store.tokens),
-        probs=None, num_draft=jnp.where(use_B, own.num_draft,
-                                        store.num_draft), state=state)
+        probs=None, num_drafted=jnp.where(use_B, own.num_drafted,
+                                          store.num_drafted), state=state)
 
-  def paths(self, params: Datastore, tokens_BS, num_tokens_B, num_draft):
+  def paths(self, params: Datastore, ctx: Context, num_draft):
     """n-gram's paths, then retrieval's (its trie: ``TableTrie``)."""
-    own_BPK, own_BP = self.ngram.paths(None, tokens_BS, num_tokens_B,
-                                       num_draft)
-    store_BQK, store_BQ = self.retrieval.paths(params, tokens_BS,
-                                               num_tokens_B, num_draft)
+    own_BPK, own_BP = self.ngram.paths(None, ctx, num_draft)
+    store_BQK, store_BQ = self.retrieval.paths(params, ctx, num_draft)
     return (jnp.concatenate([own_BPK, store_BQK], axis=1),
             jnp.concatenate([own_BP, store_BQ], axis=1))

@@ -30,8 +30,7 @@ import numpy as np
 from flax import struct
 
 from specjax.core import tree as trees
-from specjax.core.rows import at_rows
-from specjax.drafters.base import Proposal, TreeProposal
+from specjax.drafters.base import Context, Proposal, TreeProposal
 from specjax.drafters.chain import draft_chain
 from specjax.heads import head_call
 from specjax.heads.base import HeadConfig
@@ -78,20 +77,19 @@ class MedusaDrafter:
   def feature_taps(self) -> tuple[int, ...]:
     return self.cfg.taps
 
-  def init(self, params: MedusaParams, prompt_BT, prompt_lengths_B, capacity,
-           num_draft, features=None):
+  def init(self, params: MedusaParams, prompt: Context, capacity, num_draft,
+           features=None):
     """The prompt's last hidden state, at position length - 1."""
-    del params, prompt_BT, capacity
+    del params, capacity
     B = features.shape[0]
     last = jnp.take_along_axis(
-        features, (prompt_lengths_B - 1)[:, None, None], axis=1)
+        features, (prompt.num_tokens - 1)[:, None, None], axis=1)
     hidden = jnp.concatenate(
         [last, jnp.zeros((B, num_draft) + last.shape[2:], last.dtype)], 1)
-    return MedusaState(hidden=hidden, start=prompt_lengths_B - 1)
+    return MedusaState(hidden=hidden, start=prompt.num_tokens - 1)
 
-  def commit(self, params, state: MedusaState, tokens_BS, num_tokens_B,
-             features=None):
-    del params, tokens_BS, num_tokens_B
+  def commit(self, params, state: MedusaState, ctx: Context, features=None):
+    del params, ctx
     return state.replace(hidden=features.astype(state.hidden.dtype))
 
   def _logits(self, params: MedusaParams, state: MedusaState, num_tokens_B,
@@ -112,10 +110,10 @@ class MedusaDrafter:
     return (call("logits", out_BKD),
             state.replace(start=num_tokens_B - 1))
 
-  def propose(self, params: MedusaParams, state: MedusaState, tokens_BS,
-              num_tokens_B, key, num_draft, sampling) -> Proposal:
-    del tokens_BS
-    logits_BKVd, state = self._logits(params, state, num_tokens_B, num_draft)
+  def propose(self, params: MedusaParams, state: MedusaState, ctx: Context,
+              key, num_draft, sampling) -> Proposal:
+    logits_BKVd, state = self._logits(params, state, ctx.num_tokens,
+                                      num_draft)
     V = self.cfg.target_vocab
     depth = lambda i: full_vocab_logits(
         jax.lax.dynamic_index_in_dim(logits_BKVd, i, 1, keepdims=False),
@@ -124,11 +122,11 @@ class MedusaDrafter:
     drafts_BK, probs_BKV, num_B, _ = draft_chain(
         depth(0), lambda tok_B, i: (depth(i), i + 1), jnp.int32(1), key,
         num_draft, sampling, self.min_confidence)
-    return Proposal(tokens=drafts_BK, probs=probs_BKV, num_draft=num_B,
+    return Proposal(tokens=drafts_BK, probs=probs_BKV, num_drafted=num_B,
                     state=state)
 
-  def propose_tree(self, params: MedusaParams, state: MedusaState, tokens_BS,
-                   num_tokens_B, key, num_draft, num_nodes, sampling
+  def propose_tree(self, params: MedusaParams, state: MedusaState,
+                   ctx: Context, key, num_draft, num_nodes, sampling
                    ) -> TreeProposal:
     """The static ``tree_shape`` over the depths' top-k (module doc)."""
     del key, sampling  # the tree is the head's top-k: no draws
@@ -137,12 +135,13 @@ class MedusaDrafter:
                        "tree_shape")
     shape = trees.Shape(self.tree_shape)
     shape.check(num_nodes, num_draft, self.cfg.draft_vocab)
-    logits_BKVd, state = self._logits(params, state, num_tokens_B, num_draft)
+    logits_BKVd, state = self._logits(params, state, ctx.num_tokens,
+                                      num_draft)
     _, top_BKC = jax.lax.top_k(logits_BKVd, max(map(len, shape.children)))
     depth_M = np.asarray(shape.depths[1:]) - 1
     rank_M = np.asarray([path[-1] for path in shape.paths()])
-    B, M = tokens_BS.shape[0], shape.num_nodes + 1
-    root_B = at_rows(tokens_BS, num_tokens_B - 1)
+    B, M = ctx.tokens.shape[0], shape.num_nodes + 1
+    root_B = ctx.newest()
     tokens_BM = jnp.concatenate(
         [root_B[:, None], params.draft_ids[top_BKC[:, depth_M, rank_M]]], 1)
     return TreeProposal(tree=trees.Tree(

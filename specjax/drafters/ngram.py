@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.core.rows import at_rows
-from specjax.drafters.base import Proposal, TableTrie
+from specjax.drafters.base import Context, Proposal, TableTrie
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,20 +70,20 @@ class NGramDrafter(TableTrie):
     cont_BPK = jnp.take_along_axis(tokens_BS[:, None, :], idx_BPK, axis=2)
     return cont_BPK, jnp.clip(avail_BP, 0, num_draft).astype(jnp.int32)
 
-  def propose(self, params, state, tokens_BS, num_tokens_B, key, num_draft,
+  def propose(self, params, state, ctx: Context, key, num_draft,
               sampling) -> Proposal:
     del params, key, sampling
     K = num_draft
-    cont_BPK, avail_BP = self._continuations(tokens_BS, num_tokens_B, 1, K)
+    cont_BPK, avail_BP = self._continuations(ctx.tokens, ctx.num_tokens, 1, K)
     drafts_BK = jnp.where(jnp.arange(K)[None, :] < avail_BP,
                           cont_BPK[:, 0], 0)
-    return Proposal(tokens=drafts_BK, probs=None, num_draft=avail_BP[:, 0],
+    return Proposal(tokens=drafts_BK, probs=None, num_drafted=avail_BP[:, 0],
                     state=state)
 
-  def paths(self, params, tokens_BS, num_tokens_B, num_draft):
+  def paths(self, params, ctx: Context, num_draft):
     """What followed each of the ``num_paths`` best matches, up to
     ``num_draft`` deep: ``(tokens [B, P, K], lengths [B, P])``; its trie is
     ``propose_tree`` (``TableTrie``)."""
     del params
-    return self._continuations(tokens_BS, num_tokens_B, self.num_paths,
+    return self._continuations(ctx.tokens, ctx.num_tokens, self.num_paths,
                                num_draft)

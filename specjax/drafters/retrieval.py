@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax.drafters.base import Proposal, TableTrie
+from specjax.drafters.base import Context, Proposal, TableTrie
 
 # Bump when the hash or the table layout changes: old caches become misses.
 _FORMAT_VERSION = 1
@@ -382,22 +382,23 @@ class RetrievalDrafter(TableTrie):
     *_, num_R, drafts_RK = jax.lax.fori_loop(0, num_draft, body, carry)
     return drafts_RK, num_R
 
-  def propose(self, params: Datastore, state, tokens_BS, num_tokens_B, key,
-              num_draft, sampling) -> Proposal:
+  def propose(self, params: Datastore, state, ctx: Context, key, num_draft,
+              sampling) -> Proposal:
     del key, sampling
     drafts_BK, num_B = self._chain(self._table(params),
-                                   self._window(tokens_BS, num_tokens_B),
-                                   num_tokens_B, num_draft)
-    return Proposal(tokens=drafts_BK, probs=None, num_draft=num_B,
+                                   self._window(ctx.tokens, ctx.num_tokens),
+                                   ctx.num_tokens, num_draft)
+    return Proposal(tokens=drafts_BK, probs=None, num_drafted=num_B,
                     state=state)
 
-  def paths(self, params: Datastore, tokens_BS, num_tokens_B, num_draft):
+  def paths(self, params: Datastore, ctx: Context, num_draft):
     """``(tokens [B, P, K], lengths [B, P])``: path p starts with the token
     stored for the (p+1)-th longest suffix (the chain's first draft for p =
     0, then the shorter contexts' alternatives) and continues as the chain
     does, up to ``num_draft`` deep; an order that missed gives an empty
     path. Their trie is ``propose_tree`` (``TableTrie``): orders that agree
     share one path."""
+    tokens_BS, num_tokens_B = ctx.tokens, ctx.num_tokens
     B, K = tokens_BS.shape[0], num_draft
     table = self._table(params)
     window_BN = self._window(tokens_BS, num_tokens_B)

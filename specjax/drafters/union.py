@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 from flax import struct
 
 from specjax.core import tree as trees
-from specjax.drafters.base import Proposal, TableTrie, TreeProposal
+from specjax.drafters.base import Context, Proposal, TableTrie, TreeProposal
 
 
 @struct.dataclass
@@ -51,31 +51,26 @@ class TreeUnion:
   def feature_taps(self) -> tuple[int, ...]:
     return self.head.feature_taps
 
-  def init(self, params: UnionParams, prompt_BT, prompt_lengths_B, capacity,
-           num_draft, features=None):
-    return self.head.init(params.head, prompt_BT, prompt_lengths_B, capacity,
-                          num_draft, features)
+  def init(self, params: UnionParams, prompt: Context, capacity, num_draft,
+           features=None):
+    return self.head.init(params.head, prompt, capacity, num_draft, features)
 
-  def commit(self, params: UnionParams, state, tokens_BS, num_tokens_B,
-             features=None):
-    return self.head.commit(params.head, state, tokens_BS, num_tokens_B,
-                            features)
+  def commit(self, params: UnionParams, state, ctx: Context, features=None):
+    return self.head.commit(params.head, state, ctx, features)
 
-  def propose(self, params: UnionParams, state, tokens_BS, num_tokens_B, key,
+  def propose(self, params: UnionParams, state, ctx: Context, key,
               num_draft, sampling) -> Proposal:
-    return self.head.propose(params.head, state, tokens_BS, num_tokens_B, key,
-                             num_draft, sampling)
+    return self.head.propose(params.head, state, ctx, key, num_draft,
+                             sampling)
 
-  def propose_tree(self, params: UnionParams, state, tokens_BS, num_tokens_B,
-                   key, num_draft, num_nodes, sampling) -> TreeProposal:
+  def propose_tree(self, params: UnionParams, state, ctx: Context, key,
+                   num_draft, num_nodes, sampling) -> TreeProposal:
     if not 0 < self.table_nodes < num_nodes:
       raise ValueError(f"table_nodes={self.table_nodes} must leave the head "
                        f"some of the tree's {num_nodes} nodes")
-    own = self.head.propose_tree(params.head, state, tokens_BS, num_tokens_B,
-                                 key, num_draft, num_nodes - self.table_nodes,
-                                 sampling)
-    table = self.table.propose_tree(params.table, None, tokens_BS,
-                                    num_tokens_B, key, num_draft,
+    own = self.head.propose_tree(params.head, state, ctx, key, num_draft,
+                                 num_nodes - self.table_nodes, sampling)
+    table = self.table.propose_tree(params.table, None, ctx, key, num_draft,
                                     self.table_nodes, sampling)
     return TreeProposal(tree=trees.union(own.tree, table.tree, num_draft),
                         state=own.state)

@@ -102,10 +102,10 @@ def measure_costs(model: Model, prompts: Sequence[Sequence[int]],
   if K:
     d, sp, M = dcfg.drafter, dcfg.sampling, dcfg.tree_nodes
     propose = jax.jit(
-        (lambda p, s, t, n, k: d.propose_tree(p, s, t, n, k, K, M, sp)) if M
-        else (lambda p, s, t, n, k: d.propose(p, s, t, n, k, K, sp)))
+        (lambda p, s, c, k: d.propose_tree(p, s, c, k, K, M, sp)) if M
+        else (lambda p, s, c, k: d.propose(p, s, c, k, K, sp)))
     draft = median_time(lambda: propose(
-        drafter_params, state.drafter_state, state.tokens, state.num_tokens,
+        drafter_params, state.drafter_state, state.context,
         jax.random.key(1)), repeats)
   return Costs(target_1=target_1, verify=verify, draft=draft)
 
