@@ -61,7 +61,7 @@ def main(argv=None):
   chat = args.dataset != "humaneval"
   ids = [model.tokenizer.encode_chat(p) if chat else model.tokenizer.encode(p)
          for p in prompts]
-  built = [(s, *methods.build(model, s)) for s in specs]
+  built = [(s, methods.build(model, s)) for s in specs]
 
   provenance = {"matmul": "native" if is_packed(model.params) else "xla",
                 "machine": machine(), "mesh": args.mesh or "none"}

@@ -61,13 +61,11 @@ def specjax_engine(model, specs, max_new: int) -> dict[str, Call]:
 
   def call_for(text):
     spec = methods.MethodSpec.parse(text)
-    drafter, dparams = methods.build(model, spec)
+    method = methods.build(model, spec)
 
     def call(ids):
       res = runner.generate_ids(model, [ids], max_new_tokens=max_new,
-                                drafter=drafter, num_draft=spec.k,
-                                tree_nodes=spec.tree_nodes,
-                                drafter_params=dparams)
+                                method=method)
       return res.rows[0].output_ids, res.wall_s
     return call
   return {text: call_for(text) for text in ("ar", *specs)}

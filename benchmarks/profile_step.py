@@ -69,9 +69,11 @@ def main(argv=None):
   ids = model.tokenizer.encode_chat(prompt)
   for text in args.specs:
     spec = methods.MethodSpec.parse(text)
-    drafter, dparams = methods.build(model, spec)
-    dcfg = engine.DecodeConfig(capacity=512, drafter=drafter,
-                               num_draft=spec.k, tree_nodes=spec.tree_nodes)
+    method = methods.build(model, spec)
+    dparams = method.params
+    dcfg = engine.DecodeConfig(capacity=512, drafter=method.drafter,
+                               num_draft=method.num_draft,
+                               tree_nodes=method.tree_nodes)
     prompt_BT, lengths = bucketing.pad_prompts([ids], 0)
     state = engine.prefill_jit(model.params, prompt_BT, lengths,
                                jax.random.key(0), np.int32(10_000),

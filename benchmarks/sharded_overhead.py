@@ -62,11 +62,10 @@ def main(argv=None) -> int:
       model = on_mesh(base, sharding.make_mesh(mesh_name.replace("/", ",")))
     for method in ("ar", "eagle3"):
       spec = methods.MethodSpec(method, num_draft=4)
-      drafter, dparams = methods.build(model, spec)
+      built = methods.build(model, spec)
       runs = [runner.generate_ids(model, ids,
                                   max_new_tokens=args.max_new_tokens,
-                                  drafter=drafter, num_draft=spec.k,
-                                  drafter_params=dparams)
+                                  method=built)
               for _ in range(args.repeats)]  # the first one compiles
       res, walls = runs[0], [r.wall_s for r in runs]
       out = [r.output_ids for r in res.rows]

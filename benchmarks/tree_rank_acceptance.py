@@ -87,7 +87,7 @@ def main(argv=None):
   spec = methods.MethodSpec(args.method, head=args.head,
                             tree_shape=shape_text(paths))
   model = load_model("smollm2-135m")
-  drafter, dparams = methods.build(model, spec)
+  method = methods.build(model, spec)
   prompts = data.load_prompts(args.dataset, args.num_prompts)
   chat = args.dataset != "humaneval"
   ids = [model.tokenizer.encode_chat(p) if chat else model.tokenizer.encode(p)
@@ -98,8 +98,7 @@ def main(argv=None):
     rows += runner.generate_ids(
         model, ids[i:i + args.batch_size], max_new_tokens=args.max_new_tokens,
         sampling=SamplingParams(temperature=args.temperature), seed=i,
-        drafter=drafter, num_draft=spec.k, tree_nodes=spec.tree_nodes,
-        drafter_params=dparams).rows
+        method=method).rows
   forwards = sum(r.target_forwards for r in rows)
   nodes = [sum(r.accepted_nodes[m] for r in rows) for m in range(len(paths))]
   p, spine, pooled = rank_acceptance(nodes, forwards, args.depth, args.ranks)

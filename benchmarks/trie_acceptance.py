@@ -104,7 +104,7 @@ def main(argv=None) -> int:
   S = max(len(p) + len(o) for p, o in zip(ids, outs)) + 1
   K = args.k
 
-  store = methods.build(model, MethodSpec("retrieval", num_draft=K))[1]
+  store = methods.build(model, MethodSpec("retrieval", num_draft=K)).params
 
   def replayed(draft, tree: bool):
     """``propose(ctx, n, truth)`` -> accepted drafts, for a jitted

@@ -21,9 +21,10 @@ from specjax.core.sampling import SamplingParams, sample_logits, warp
 from specjax.core.sharding import make_mesh, on_mesh, shard_params
 from specjax.core.tree import Tree, TreeResult, verify_tree
 from specjax.core.verify import ChainResult, verify_chain
-from specjax.drafters import (Datastore, DraftModelDrafter, LayerSkipDrafter,
-                              NGramDrafter, Proposal, RetrievalDrafter,
-                              build_datastore, sharegpt_datastore)
+from specjax.drafters import (AR, Context, Datastore, DraftModelDrafter,
+                              Drafter, LayerSkipDrafter, Method, NGramDrafter,
+                              Proposal, RetrievalDrafter, build_datastore,
+                              sharegpt_datastore)
 from specjax.drafters.methods import MethodSpec
 from specjax.drafters.methods import build as build_method
 from specjax.models.config import ModelConfig, RopeScaling
@@ -35,9 +36,10 @@ from specjax.models.tokenizer import StreamDecoder, Tokenizer
 __version__ = "0.1.0"
 
 __all__ = [
-    "BatchResult", "ChainResult", "Datastore", "DecodeConfig", "DecodeState",
-    "Decoder", "DraftModelDrafter", "ForwardOutput", "KVCache",
-    "LayerSkipDrafter", "MethodSpec", "NGramDrafter", "Proposal",
+    "AR", "BatchResult", "ChainResult", "Context", "Datastore",
+    "DecodeConfig", "DecodeState", "Decoder", "DraftModelDrafter", "Drafter",
+    "ForwardOutput", "KVCache", "LayerSkipDrafter", "Method", "MethodSpec",
+    "NGramDrafter", "Proposal",
     "RetrievalDrafter", "Model", "ModelConfig", "RopeScaling", "RowResult",
     "SamplingParams", "StreamDecoder", "Tokenizer", "bucket_length",
     "build_datastore", "build_method", "capacity_for", "generate",

@@ -23,7 +23,7 @@ import numpy as np
 
 from specjax.core import bucketing, engine, sharding
 from specjax.core.sampling import SamplingParams
-from specjax.drafters import NGramDrafter
+from specjax.drafters import Method, NGramDrafter
 from specjax.drafters.eagle import EagleDrafter, EagleParams
 from specjax.heads.base import HeadConfig
 from specjax.heads.vocab import build_draft_vocab
@@ -178,8 +178,8 @@ def multihost_main(port: int, pid: int) -> dict:
   for temp in (0.0, 1.0):
     for name, drafter, k, dparams in (("ar", None, 0, None),
                                       ("eagle3", EagleDrafter(hcfg), 3, head)):
-      kw = dict(max_new_tokens=12, seed=3, drafter=drafter, num_draft=k,
-                drafter_params=dparams,
+      kw = dict(max_new_tokens=12, seed=3,
+                method=Method(drafter, dparams, k),
                 sampling=SamplingParams(temperature=temp, top_p=0.9))
       got = runner.generate_ids(meshed, PROMPTS, **kw)
       ref = runner.generate_ids(one, PROMPTS, **kw)

@@ -1,5 +1,7 @@
 """``measure.bench``: the JSON contract and the bookkeeping behind it."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -86,9 +88,10 @@ def test_journal_resumes_a_cut_run(smollm2, tmp_path, monkeypatch):
   go(n=12)
   assert len(calls) == 4  # other settings: nothing read back
   # Other drafter parameters (a retrained head in the same file): a new key.
-  drafter, _ = methods.build(smollm2, spec)
-  key = lambda w: bench._journal_key(smollm2, [(spec, drafter, {"w": w})],
-                                     prompts, max_new_tokens=16)
+  method = methods.build(smollm2, spec)
+  key = lambda w: bench._journal_key(
+      smollm2, [(spec, dataclasses.replace(method, params={"w": w}))],
+      prompts, max_new_tokens=16)
   assert key(np.zeros(3)) == key(np.zeros(3)) != key(np.ones(3))
 
 

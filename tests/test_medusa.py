@@ -195,11 +195,11 @@ def test_trainer_trains_medusa_and_methods_load_it(tmp_path):
                                 init["feature_norm"]["scale"])
   assert not np.allclose(run.params["block_1"]["kernel"], 0.0)
   head = str(tmp_path / "run" / "head.npz")
-  drafter, _ = methods.build(model, methods.MethodSpec(
-      "medusa", num_draft=3, head=head))
+  drafter = methods.build(model, methods.MethodSpec(
+      "medusa", num_draft=3, head=head)).drafter
   assert isinstance(drafter, MedusaDrafter) and not drafter.tree_shape
-  drafter, _ = methods.build(model, methods.MethodSpec(
-      "medusa", tree_shape="2x2x1", head=head))
+  drafter = methods.build(model, methods.MethodSpec(
+      "medusa", tree_shape="2x2x1", head=head)).drafter
   assert drafter.tree_shape == SHAPE_2X2X1
   for spec, why in (
       (methods.MethodSpec("medusa", num_draft=4, head=head), "3 depths"),

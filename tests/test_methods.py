@@ -56,7 +56,7 @@ def test_unknown_method_and_bad_knobs(smollm2):
   """Invariants: unknown names and values out of range are MethodErrors
   naming the field when the spec is made (one place for its checks), an
   impossible layer-skip depth when it is built; "ar" builds no drafter."""
-  assert methods.build(smollm2, methods.MethodSpec("ar")) == (None, None)
+  assert methods.build(smollm2, methods.MethodSpec("ar")).drafter is None
   for kw, needle in ((dict(name="medusa9"), "unknown method"),
                      (dict(name="ngram", num_draft=0), "num_draft must be"),
                      (dict(name="ngram", tree_nodes=-1), "tree_nodes must be"),
@@ -84,7 +84,7 @@ def test_static_tree_shape_sets_nodes_and_depth(smollm2):
   with pytest.raises(methods.MethodError, match="tree_nodes 3 disagrees"):
     methods.MethodSpec("eagle3", tree_nodes=3, tree_shape="2x2x1")
   assert spec.label() == "eagle3(K=3, tree 2x2x1)"
-  drafter, _ = methods.build(smollm2, spec)
+  drafter = methods.build(smollm2, spec).drafter
   assert drafter.tree_shape == (0, 0, 0, 1, 1, 2, 2, 3, 4, 5, 6)
   with pytest.raises(methods.MethodError, match="for EAGLE and Medusa heads"):
     methods.build(smollm2, methods.MethodSpec("ngram", tree_shape="2"))
@@ -95,9 +95,11 @@ def test_ngram_retrieval_builds_both_tables(smollm2, tmp_path, monkeypatch):
   front of the retrieval drafter, its parameters the retrieval datastore."""
   from specjax.drafters import Datastore, LookupDrafter
   monkeypatch.setenv("HOME", str(tmp_path))  # the datastore cache
-  drafter, store = methods.build(smollm2, methods.MethodSpec(
+  built = methods.build(smollm2, methods.MethodSpec(
       "ngram+retrieval", tree_width=3, tree_nodes=8,
       datastore_conversations=20))
+  drafter, store = built.drafter, built.params
+  assert (built.num_draft, built.tree_nodes) == (4, 8)
   assert isinstance(drafter, LookupDrafter) and isinstance(store, Datastore)
   assert drafter.ngram.num_paths == 3
 
@@ -115,7 +117,8 @@ def test_lookup_nodes_merge_the_trie_into_a_head_tree(smollm2, tmp_path,
                             datastore_conversations=20)
   assert (spec.tree_nodes, spec.k) == (11, 4)  # K: the trie's depth
   assert spec.label() == "eagle3(K=4, tree 2x2, lookup 5)"
-  drafter, params = methods.build(smollm2, spec)
+  built = methods.build(smollm2, spec)
+  drafter, params = built.drafter, built.params
   assert isinstance(drafter, TreeUnion) and drafter.table_nodes == 5
   assert isinstance(drafter.head, EagleDrafter)
   assert isinstance(drafter.table, LookupDrafter)

@@ -341,7 +341,7 @@ def test_shipped_head_is_packed_on_a_packed_target(smollm2):
   from specjax.drafters import methods
   from specjax.models import decoder, layers
   assert decoder.is_packed(smollm2.params)
-  _, dparams = methods.build(smollm2, methods.MethodSpec("eagle3",
-                                                         num_draft=2))
+  dparams = methods.build(smollm2, methods.MethodSpec("eagle3",
+                                                      num_draft=2)).params
   assert isinstance(dparams.head["layer"]["wqkv"], layers.PackedWeight)
   assert dparams.head["lm_head"]["kernel"].panels.dtype == jnp.bfloat16

@@ -16,19 +16,18 @@ import pytest
 _SCRIPT = """
 import json, sys
 from specjax.core import runner
-from specjax.drafters import NGramDrafter, methods
+from specjax.drafters import Method, NGramDrafter, methods
 from specjax.models.registry import load_model
 model = load_model("smollm2-135m")
 prompts = [model.tokenizer.encode_chat(p) for p in json.loads(sys.argv[1])]
 run = lambda **kw: [r.output_ids for r in runner.generate_ids(
     model, prompts, max_new_tokens=40, **kw).rows]
-head, head_params = methods.build(model, methods.MethodSpec(
+head = methods.build(model, methods.MethodSpec(
     "eagle3", num_draft=4, min_confidence=0.3))
 print(json.dumps({
     "ar": run(),
-    "ngram": run(drafter=NGramDrafter(), num_draft=4),
-    "eagle3_tree": run(drafter=head, num_draft=4, tree_nodes=8,
-                       drafter_params=head_params)}))
+    "ngram": run(method=Method(NGramDrafter(), num_draft=4)),
+    "eagle3_tree": run(method=Method(head.drafter, head.params, 4, 8))}))
 """
 
 

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from specjax import testing
 from specjax.core import bucketing, engine, verify
 from specjax.core.sampling import SamplingParams, warp
-from specjax.drafters import NGramDrafter
+from specjax.drafters import Method, NGramDrafter
 from specjax.models.decoder import Decoder
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 1, 9, 1, 9],
@@ -253,7 +253,7 @@ def test_prompt_at_the_context_limit(tiny):
   prompt = [(list(range(cfg.vocab_size))
              + [3, 4] * cfg.max_position)[:cfg.max_position - 4]]
   outs = [runner.generate_ids(model, prompt, max_new_tokens=4, **kw).rows[0]
-          for kw in ({}, dict(drafter=NGramDrafter(), num_draft=4))]
+          for kw in ({}, dict(method=Method(NGramDrafter(), num_draft=4)))]
   assert outs[0].output_ids == outs[1].output_ids
   assert [len(r.output_ids) for r in outs] == [4, 4]
   assert [r.stop_reason for r in outs] == ["length", "length"]
@@ -339,9 +339,9 @@ def test_bad_api_arguments_are_typed_errors(tiny):
       (dict(prompts=[[1, -1]]), ValueError, "outside the vocabulary"),
       (dict(max_new_tokens=ctx), runner.ContextError, "exceed the model's"),
       (dict(max_new_tokens=4.0), TypeError, "max_new_tokens must be an int"),
-      (dict(num_draft=3), ValueError, "need a drafter"),
-      (dict(drafter=NGramDrafter(), num_draft=ctx), runner.ContextError,
-       "wider than the model's context"),
+      (dict(method="ngram"), TypeError, "method must be a specjax Method"),
+      (dict(method=Method(NGramDrafter(), num_draft=ctx)),
+       runner.ContextError, "wider than the model's context"),
       (dict(seed="1"), TypeError, "seed must be an int")]
   for kw, error, words in bad:
     kw = {"prompts": [[1, 2, 3]], "max_new_tokens": 2, **kw}

@@ -6,6 +6,7 @@ import torch
 
 from specjax import assets
 from specjax.core import runner
+from specjax.drafters import Method
 from specjax.models import decoder
 from specjax.models.decoder import Decoder
 
@@ -92,31 +93,31 @@ def _drafter(smollm2, method, tmp_path_factory):
                          embed=smollm2.params.embed), 3)
   if method == "medusa_shipped_tree":  # a static tree of 8 nodes
     from specjax.drafters import methods
-    drafter, dparams = methods.build(smollm2, methods.MethodSpec(
+    built = methods.build(smollm2, methods.MethodSpec(
         "medusa", tree_shape="0,1,2,3,4,5,6,0.0"))
-    return drafter, dparams, 2
+    return built.drafter, built.params, 2
   if method == "eagle3_shipped_lookup_tree":  # 3 head nodes + 5 trie nodes
     from specjax.drafters import LookupDrafter
     from specjax.drafters import methods
     from specjax.drafters.union import TreeUnion, UnionParams
-    head, hparams = methods.build(smollm2, methods.MethodSpec(
-        "eagle3", tree_shape="0,1,2"))
+    head = methods.build(smollm2, methods.MethodSpec("eagle3",
+                                                     tree_shape="0,1,2"))
     table = sharegpt_datastore(smollm2.tokenizer, num_conversations=300,
                                cache_dir=tmp_path_factory.getbasetemp() / "ds",
                                progress=False)
-    return (TreeUnion(head, LookupDrafter(), 5),
-            UnionParams(head=hparams, table=table), 4)
+    return (TreeUnion(head.drafter, LookupDrafter(), 5),
+            UnionParams(head=head.params, table=table), 4)
   if method in ("eagle3_shipped_chain", "medusa_shipped_chain"):
     from specjax.drafters import methods
     k = 4 if method.startswith("eagle3") else 3
-    drafter, dparams = methods.build(smollm2, methods.MethodSpec(
+    built = methods.build(smollm2, methods.MethodSpec(
         method.split("_")[0], num_draft=k))
-    return drafter, dparams, k
+    return built.drafter, built.params, k
   if method in ("eagle3_shipped_dynamic_k", "eagle3_shipped_tree"):
     from specjax.drafters import methods
-    drafter, dparams = methods.build(smollm2, methods.MethodSpec(
+    built = methods.build(smollm2, methods.MethodSpec(
         "eagle3", num_draft=4, min_confidence=0.3))
-    return drafter, dparams, 4
+    return built.drafter, built.params, 4
   raise ValueError(method)
 
 
@@ -152,9 +153,9 @@ def tau(result) -> float:
 def _speculate(smollm2, prompts, method, tmp_path_factory):
   drafter, dparams, k = _drafter(smollm2, method, tmp_path_factory)
   return runner.generate_ids(smollm2, prompts, max_new_tokens=40,
-                             drafter=drafter, num_draft=k,
-                             tree_nodes=8 if method.endswith("_tree") else 0,
-                             drafter_params=dparams)
+                             method=Method(drafter, dparams, k,
+                                           8 if method.endswith("_tree")
+                                           else 0))
 
 
 @pytest.mark.parametrize("method", [

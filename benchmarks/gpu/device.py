@@ -563,10 +563,9 @@ def decode_bench(model, head: str, heldout, new_tokens: int = 128,
   configs = {"ar": {}}
   for name, knobs in specs:
     spec = methods.MethodSpec("eagle3", head=head, **knobs)
-    drafter, dparams = methods.build(mb, spec)
-    configs[name] = dict(drafter=drafter, num_draft=spec.num_draft,
-                         tree_nodes=spec.tree_nodes,
-                         drafter_params=bf16(dparams))
+    method = methods.build(mb, spec)
+    configs[name] = dict(method=dataclasses.replace(
+        method, params=bf16(method.params)))
   prompts = [r[:int(np.argmax(m))].tolist()
              for r, m in zip(heldout.ids, heldout.mask) if m[1:].any()][:8]
   result = dict(rows=[], specs=dict(specs))

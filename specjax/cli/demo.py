@@ -90,7 +90,7 @@ def max_new_tokens_limit(model: Model) -> int:
 def speculative(model: Model, max_new_tokens: int,
                 num_draft: int = SPEC_K) -> None:
   """n-gram prompt lookup vs AR on the grounded prompts, one at a time."""
-  from specjax.drafters import NGramDrafter
+  from specjax.drafters import Method, NGramDrafter
   say = lambda *a: print(*a, flush=True)
   say(f"\nspeculative decoding, n-gram prompt lookup (K={num_draft}) vs AR, "
       f"greedy, batch 1, up to {max_new_tokens} new tokens:")
@@ -99,7 +99,8 @@ def speculative(model: Model, max_new_tokens: int,
     ids = [model.tokenizer.encode_chat(prompt)]
     ar = runner.generate_ids(model, ids, max_new_tokens=max_new_tokens)
     spec = runner.generate_ids(model, ids, max_new_tokens=max_new_tokens,
-                               drafter=NGramDrafter(), num_draft=num_draft)
+                               method=Method(NGramDrafter(),
+                                             num_draft=num_draft))
     row = spec.rows[0]
     same = row.output_ids == ar.rows[0].output_ids
     text = model.tokenizer.decode(row.output_ids, skip_special_tokens=True)

@@ -346,14 +346,14 @@ def cmd_generate(args) -> int:
   model = _load(args.model, args.mesh, args.dtype)
   ids = _encode(model, prompts, chat=not args.no_chat_template)
   _check_fits(model, ids, args.max_new_tokens, [spec])
-  drafter, drafter_params = _build(model, spec)
+  method = _build(model, spec)
 
   if args.stream and args.json:
     raise UsageError("--stream prints text; it does not go with --json")
   if args.stream or (args.stream is None and not args.json
                      and sys.stdout.isatty()):
     return _stream_generate(args, model, spec, prompts, ids, sampling,
-                            drafter, drafter_params)
+                            method)
   from tqdm import tqdm
   batches = range(0, len(ids), args.batch_size)
   bar = tqdm(batches, desc="generating", unit="batch", file=sys.stderr,
@@ -363,9 +363,7 @@ def cmd_generate(args) -> int:
     chunk = ids[start:start + args.batch_size]
     res = runner.generate_ids(model, chunk, max_new_tokens=args.max_new_tokens,
                               sampling=sampling, seed=args.seed + start,
-                              drafter=drafter, num_draft=spec.k,
-                              tree_nodes=spec.tree_nodes,
-                              drafter_params=drafter_params)
+                              method=method)
     all_rows += res.rows
     wall, new_tokens = wall + res.wall_s, new_tokens + res.new_tokens
     for j, row in enumerate(res.rows):
@@ -422,8 +420,8 @@ def _speculative_summary(spec, rows, tokens_per_s: Optional[float]) -> None:
         file=sys.stderr)
 
 
-def _stream_generate(args, model, spec, prompts, ids, sampling, drafter,
-                     drafter_params) -> int:
+def _stream_generate(args, model, spec, prompts, ids, sampling,
+                     method) -> int:
   """``generate`` printing each prompt's text as the steps commit it."""
   from specjax.core import runner
   from specjax.models.tokenizer import StreamDecoder
@@ -437,9 +435,7 @@ def _stream_generate(args, model, spec, prompts, ids, sampling, drafter,
     res = runner.stream_ids(model, [prompt_ids], write,
                             max_new_tokens=args.max_new_tokens,
                             sampling=sampling, seed=args.seed + i,
-                            drafter=drafter, num_draft=spec.k,
-                            tree_nodes=spec.tree_nodes,
-                            drafter_params=drafter_params)
+                            method=method)
     print(detok.flush() + "\n", flush=True)
     rows += res.rows
   if spec.k:
@@ -467,7 +463,7 @@ def cmd_bench(args) -> int:
   model = _load(args.model, args.mesh, args.dtype)
   ids = _encode(model, prompts, chat=args.dataset != "humaneval")
   _check_fits(model, ids, args.max_new_tokens, specs)
-  built = [(s, *_build(model, s)) for s in specs]  # bad knobs fail here
+  built = [(s, _build(model, s)) for s in specs]  # bad knobs fail here
 
   import jax
   if jax.process_count() > 1 and args.journal:

@@ -17,6 +17,7 @@ import numpy as np
 
 from specjax.core import bucketing, engine, sharding
 from specjax.core.sampling import SamplingParams, require_int, seed_key
+from specjax.drafters.base import AR, Method
 from specjax.models.registry import Model
 
 
@@ -72,15 +73,14 @@ class BatchResult:
 
 
 def decode_config(model: Model, prompt_bucket: int, max_new_tokens: int,
-                  sampling: SamplingParams, drafter=None, num_draft: int = 0,
-                  tree_nodes: int = 0) -> engine.DecodeConfig:
-  k = num_draft if drafter is not None else 0
-  nodes = tree_nodes if k else 0
+                  sampling: SamplingParams, method: Method = AR
+                  ) -> engine.DecodeConfig:
+  k, nodes = method.num_draft, method.tree_nodes
   return engine.DecodeConfig(
       capacity=bucketing.capacity_for(prompt_bucket, max_new_tokens,
                                       extra=engine.block_width(k, nodes)),
-      sampling=sampling, eos_ids=model.config.eos_ids, drafter=drafter,
-      num_draft=k, tree_nodes=nodes, mesh=model.mesh)
+      sampling=sampling, eos_ids=model.config.eos_ids,
+      drafter=method.drafter, num_draft=k, tree_nodes=nodes, mesh=model.mesh)
 
 
 class DoesNotFit(ValueError):
@@ -182,18 +182,17 @@ def check_memory(model: Model, batch: int, capacity: int,
 
 def generate_ids(model: Model, prompts: Sequence[Sequence[int]], *,
                  max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
-                 seed: int = 0, drafter=None, num_draft: int = 0,
-                 tree_nodes: int = 0, drafter_params=None) -> BatchResult:
-  """Generates for a batch of token-id prompts in one compiled call.
+                 seed: int = 0, method: Method = AR) -> BatchResult:
+  """Generates for a batch of token-id prompts in one compiled call, with
+  ``method`` (``methods.build``; default AR).
 
   Each (batch, prompt bucket, capacity, config) shape is compiled once per
   process, ahead of the timed call, so ``wall_s`` never includes compilation.
   A model loaded onto a mesh (``Model.mesh``) decodes over all of it: the
   rows split over its ``data`` axis, drafter parameters replicated.
   """
-  args, dcfg, drafter_params = _prepare(
-      model, prompts, max_new_tokens, sampling, seed, drafter, num_draft,
-      tree_nodes, drafter_params)
+  args, dcfg, drafter_params = _prepare(model, prompts, max_new_tokens,
+                                        sampling, seed, method)
   start = time.perf_counter()
   run = _compiled(args, drafter_params, model, dcfg)
   compile_s = time.perf_counter() - start
@@ -208,15 +207,13 @@ def generate_ids(model: Model, prompts: Sequence[Sequence[int]], *,
 def stream_ids(model: Model, prompts: Sequence[Sequence[int]],
                on_tokens: Callable[[list[list[int]]], None], *,
                max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
-               seed: int = 0, drafter=None, num_draft: int = 0,
-               tree_nodes: int = 0, drafter_params=None) -> BatchResult:
+               seed: int = 0, method: Method = AR) -> BatchResult:
   """``generate_ids`` one step at a time (``engine.stream``: the same jitted
   step): after the prefill and after every step, ``on_tokens`` gets each
   row's newly committed token ids. The same tokens as ``generate_ids``;
   ``wall_s`` includes compiling the prefill and step (``compile_s`` 0)."""
-  args, dcfg, drafter_params = _prepare(
-      model, prompts, max_new_tokens, sampling, seed, drafter, num_draft,
-      tree_nodes, drafter_params)
+  args, dcfg, drafter_params = _prepare(model, prompts, max_new_tokens,
+                                        sampling, seed, method)
   lengths = sharding.to_host(args[2])
   shown = lengths.copy()
   start = time.perf_counter()
@@ -231,21 +228,22 @@ def stream_ids(model: Model, prompts: Sequence[Sequence[int]],
                      compile_s=0.0, num_steps=steps, num_wide_steps=wide)
 
 
-def _prepare(model, prompts, max_new_tokens, sampling, seed, drafter,
-             num_draft, tree_nodes, drafter_params):
+def _prepare(model, prompts, max_new_tokens, sampling, seed,
+             method: Method):
   """Checked, padded, placed arguments of ``engine.generate``: ``(args,
   dcfg, drafter_params)``."""
   require_int("max_new_tokens", max_new_tokens)
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-  if drafter is None and (num_draft or tree_nodes):
-    raise ValueError(f"num_draft {num_draft} and tree_nodes {tree_nodes} "
-                     f"need a drafter; without one the decode is AR")
+  if not isinstance(method, Method):
+    raise TypeError(f"method must be a specjax Method (methods.build), got "
+                    f"{type(method).__name__}")
+  drafter_params = method.params
   prompts = _check_ids(prompts, model.config.vocab_size)
   pad_id = getattr(model.tokenizer, "pad_id", None) or 0
   prompt_BT, lengths_B = bucketing.pad_prompts(prompts, pad_id)
   dcfg = decode_config(model, prompt_BT.shape[1], max_new_tokens, sampling,
-                       drafter, num_draft, tree_nodes)
+                       method)
   check_context(model, lengths_B, max_new_tokens, dcfg.block)
   check_memory(model, len(prompts), dcfg.capacity, prompt_BT.shape[1],
                dcfg.block)

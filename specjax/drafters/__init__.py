@@ -37,8 +37,8 @@ returning a ``specjax.core.tree.Tree`` of up to ``num_nodes`` drafted nodes at
 most K deep, fixed before the target scores it (``DecodeConfig.tree_nodes``).
 """
 
-from specjax.drafters.base import (Context, Drafter, Proposal, TreeDrafter,
-                                   TreeProposal)
+from specjax.drafters.base import (AR, Context, Drafter, Method, Proposal,
+                                   TreeDrafter, TreeProposal)
 from specjax.drafters.draft_model import DraftModelDrafter, LayerSkipDrafter
 from specjax.drafters.eagle import EagleDrafter, EagleParams
 from specjax.drafters.lookup import LookupDrafter
@@ -47,9 +47,8 @@ from specjax.drafters.ngram import NGramDrafter
 from specjax.drafters.retrieval import (Datastore, RetrievalDrafter,
                                         build_datastore, sharegpt_datastore)
 
-__all__ = ["Context", "Datastore", "DraftModelDrafter", "Drafter", "EagleDrafter",
-           "EagleParams", "LayerSkipDrafter", "LookupDrafter", "MedusaDrafter",
-           "MedusaParams",
-           "NGramDrafter",
+__all__ = ["AR", "Context", "Datastore", "DraftModelDrafter", "Drafter",
+           "EagleDrafter", "EagleParams", "LayerSkipDrafter", "LookupDrafter",
+           "MedusaDrafter", "MedusaParams", "Method", "NGramDrafter",
            "Proposal", "RetrievalDrafter", "TreeDrafter", "TreeProposal",
            "build_datastore", "sharegpt_datastore"]

@@ -3,6 +3,7 @@ base."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar, Optional, Protocol, runtime_checkable
 
 import jax
@@ -100,6 +101,33 @@ class TreeDrafter(Drafter, Protocol):
                    sampling: SamplingParams) -> TreeProposal:
     """A tree of up to ``num_nodes`` drafted nodes, none deeper than
     ``num_draft``, whose shape and tokens do not depend on the target."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Method:
+  """A decoding method ready to run: what ``runner.generate_ids`` decodes
+  with (``methods.build`` makes one from a ``MethodSpec``).
+
+  Attributes:
+    drafter: a ``Drafter``, or None for AR.
+    params: the drafter's parameters (a pytree), if it has any.
+    num_draft: K, the most drafts per step (0 for AR).
+    tree_nodes: 0 for chains; else the drafted nodes of each step's tree.
+  """
+  drafter: Optional[Drafter] = None
+  params: Any = None
+  num_draft: int = 0
+  tree_nodes: int = 0
+
+  def __post_init__(self):
+    if self.drafter is None and (self.num_draft or self.tree_nodes
+                                 or self.params is not None):
+      raise ValueError(f"num_draft {self.num_draft}, tree_nodes "
+                       f"{self.tree_nodes} and params need a drafter; "
+                       "without one the method is AR")
+
+
+AR = Method()
 
 
 class Stateless:

@@ -11,6 +11,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
+  from specjax.drafters.base import Method
   from specjax.models.registry import Model
 
 METHODS = ("ar", "ngram", "draft", "layerskip", "retrieval", "ngram+retrieval",
@@ -203,8 +204,9 @@ def default_layers(model: Model) -> int:
                     round(0.8 * model.config.num_layers)))
 
 
-def build(model: Model, spec: MethodSpec) -> tuple[Any, Any]:
-  """``(drafter, drafter_params)`` for ``spec`` on the target ``model``."""
+def build(model: Model, spec: MethodSpec) -> Method:
+  """The ``Method`` (drafter, its parameters, K, tree nodes) ``spec``
+  names, on the target ``model``."""
   if spec.lookup_nodes:
     _check_lookup(spec)
   _check_knobs_apply(spec)
@@ -223,7 +225,11 @@ def build(model: Model, spec: MethodSpec) -> tuple[Any, Any]:
       raise MethodError(f"method {spec.name} drafts chains only; trees "
                         f"(tree_nodes) work with: ngram, retrieval, "
                         f"ngram+retrieval, eagle, eagle3, medusa")
-  return built
+  from specjax.drafters.base import AR, Method
+  drafter, params = built
+  if drafter is None:
+    return AR
+  return Method(drafter, params, spec.k, spec.tree_nodes)
 
 
 # The drafters that stop a chain early on their own confidence (dynamic K).

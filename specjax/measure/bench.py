@@ -171,9 +171,9 @@ def _journal_key(model: Model, built, prompts, **settings) -> str:
   h = hashlib.sha256(json.dumps(
       [repr(model.config), jax.default_backend(),
        [list(map(int, p)) for p in prompts],
-       [[dataclasses.asdict(s), repr(d)] for s, d, _ in built], settings],
-      sort_keys=True, default=str).encode())
-  for leaf in jax.tree.leaves([p for _, _, p in built]):
+       [[dataclasses.asdict(s), repr(m.drafter)] for s, m in built],
+       settings], sort_keys=True, default=str).encode())
+  for leaf in jax.tree.leaves([m.params for _, m in built]):
     h.update(np.ascontiguousarray(leaf).tobytes())
   return h.hexdigest()[:16]
 
@@ -221,8 +221,8 @@ def run(model: Model, methods_: Sequence[methods.MethodSpec | tuple],
         journal=None, progress: bool = True) -> list[dict]:
   """Benchmarks each method against AR on ``prompts``; one dict per method.
 
-  ``methods_`` holds ``MethodSpec``s or already built ``(spec, drafter,
-  drafter_params)`` triples (``methods.build``).
+  ``methods_`` holds ``MethodSpec``s or already built ``(spec, Method)``
+  pairs (``methods.build``).
 
   ``on_result`` is called with each method's dict as soon as it is done, so
   a long run keeps what it measured if it is interrupted later.
@@ -232,7 +232,7 @@ def run(model: Model, methods_: Sequence[methods.MethodSpec | tuple],
   """
   from tqdm import tqdm
   git_sha()  # now, before hours of decoding
-  built = [m if isinstance(m, tuple) else (m, *methods.build(model, m))
+  built = [m if isinstance(m, tuple) else (m, methods.build(model, m))
            for m in methods_]
   specs = [m[0] for m in built]
   batches = [list(prompts[i:i + batch_size])
@@ -254,10 +254,9 @@ def run(model: Model, methods_: Sequence[methods.MethodSpec | tuple],
         sd = seed + 1000 * rep + i
         batch_runs = [runner.generate_ids(model, chunk, seed=sd, **kw)]
         bar.update()
-        for spec, drafter, dparams in built:
-          batch_runs.append(runner.generate_ids(
-              model, chunk, seed=sd, drafter=drafter, num_draft=spec.k,
-              tree_nodes=spec.tree_nodes, drafter_params=dparams, **kw))
+        for _, method in built:
+          batch_runs.append(runner.generate_ids(model, chunk, seed=sd,
+                                                method=method, **kw))
           bar.update()
         if journal:
           _append_journal(journal, key, rep, i, batch_runs)
@@ -275,12 +274,12 @@ def run(model: Model, methods_: Sequence[methods.MethodSpec | tuple],
   ar_tok_s = statistics.median(t.new_tokens / t.wall_s for t in ar_tallies)
   ar_step_s = statistics.median(t.wall_s / t.steps for t in ar_tallies)
   results = []
-  for spec, drafter, dparams in built:
+  for spec, method in built:
     runs = tallies[spec]
     dcfg = runner.decode_config(
         model, bucketing.bucket_length(max(map(len, batches[0]))),
-        max_new_tokens, sampling, drafter, spec.k, spec.tree_nodes)
-    costs = measure_costs(model, batches[0], dcfg, dparams)
+        max_new_tokens, sampling, method)
+    costs = measure_costs(model, batches[0], dcfg, method.params)
     acc = acceptance_stats(runs[0].rows, spec.k)
     wall = statistics.median(t.wall_s for t in runs)
     steps, wide = runs[0].steps, runs[0].wide_steps
