@@ -184,6 +184,10 @@ def test_the_grammar_covers_every_key():
     ("eagle3:k=2:k=3", "k given twice"),
     ("ngram:head=h.npz", "head is for eagle, eagle3, medusa; ngram would"),
     ("eagle3:layers=3", "layers is for layerskip; eagle3 would"),
+    ("ngram:conversations=300", "conversations is for eagle, eagle3, "
+     "medusa, ngram+retrieval, retrieval; ngram would"),
+    ("retrieval:width=2", "width is for eagle, eagle3, medusa, ngram, "
+     "ngram+retrieval; retrieval would"),
     ("ar:k=3", "k is for draft, eagle"),
     ("eagle3:shape=1000x1000", "nodes"),
 ])
@@ -193,3 +197,23 @@ def test_a_bad_method_is_one_error_naming_the_knob(text, needle):
   with pytest.raises(methods.MethodError) as e:
     methods.MethodSpec.parse(text)
   assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_help_lists_each_methods_knobs_and_the_grammar_refuses_the_rest(
+    capsys):
+  """Invariant: ``--help`` names each method with the grammar keys it reads
+  (``methods.knobs_of``, the same table the grammar refuses knobs by), and
+  every other key on that method is refused; the table is complete (a
+  field no method reads cannot be written)."""
+  from specjax.cli.main import main
+  with pytest.raises(SystemExit):
+    main(["bench", "--help"])
+  text = " ".join(capsys.readouterr().out.split())
+  for name in methods.METHODS:
+    keys = methods.knobs_of(name)
+    assert (f"{name} ({', '.join(keys)})" if keys else f" {name};") in text
+    for key in set(methods.KNOBS) - set(keys):
+      with pytest.raises(methods.MethodError, match=f"{key} is for "):
+        methods.parse_knobs(f"{name}:{key}=1")
+  assert all(any(key in methods.knobs_of(m) for m in methods.METHODS)
+             for key in methods.KNOBS)

@@ -19,7 +19,7 @@ import jinja2
 from typing import Optional, Sequence
 
 from specjax.core.runner import DoesNotFit
-from specjax.drafters.methods import KNOBS, METHODS
+from specjax.drafters.methods import KNOBS, METHODS, knobs_of
 
 EXIT_USAGE = 2
 EXIT_NONFINITE = 1  # the model's logits turned NaN or inf (output kept)
@@ -121,10 +121,14 @@ def _add_model_args(p, several: bool = False):
   p.add_argument("--method", action="append" if several else None,
                  default=None if several else "ar",
                  metavar="NAME[:key=value...]",
-                 help=f"a method, one of {', '.join(METHODS)}, with knobs of "
-                 f"its own ({', '.join(f'{k}: {f}' for k, f in KNOBS.items())}"
-                 "; e.g. eagle3:k=5:shape=2x2x1); the flags below set the "
-                 "knobs a method does not set itself"
+                 help="a method and the knobs it reads: "
+                 + "; ".join(f"{m}" + (f" ({', '.join(knobs_of(m))})"
+                                       if knobs_of(m) else "")
+                             for m in METHODS)
+                 + "; e.g. eagle3:k=5:shape=2x2x1. The flags below set the "
+                 "knobs a method does not set itself ("
+                 + ", ".join(f"{k}: {_FLAGS[f]}" for k, f in KNOBS.items()
+                             if f in _FLAGS) + ")"
                  + ("; repeat it or separate methods by commas to compare "
                     "several (default ngram)" if several else
                     " (default ar)"))

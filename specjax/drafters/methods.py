@@ -66,15 +66,33 @@ def parse_knobs(text: str) -> tuple[str, dict]:
   return name, fields
 
 
-# Fields only some methods read; every other field, every method but "ar"
-# (``build`` checks the finer rules: trees, dynamic K, the lookup trie).
-_READERS = {"head": frozenset(HEADS), "draft_model": frozenset({"draft"}),
-            "layers": frozenset({"layerskip"})}
+# The methods that read each ``MethodSpec`` field: a knob is refused for a
+# method not listed (``build`` checks the finer rules: trees, dynamic K,
+# the lookup trie).
+_HEADS = frozenset(HEADS)
+_TABLES = frozenset({"ngram", "retrieval", "ngram+retrieval"})
+_READERS = {
+    "num_draft": frozenset(METHODS) - {"ar"},
+    "tree_nodes": _TABLES | _HEADS,
+    "tree_width": {"ngram", "ngram+retrieval"} | _HEADS,  # heads: dynamic
+    "tree_shape": _HEADS,                                  # or lookup trees
+    "lookup_nodes": _HEADS,
+    "layers": frozenset({"layerskip"}),
+    "min_confidence": frozenset({"draft", "layerskip"}) | _HEADS,
+    "draft_model": frozenset({"draft"}),
+    "head": _HEADS,
+    "datastore_conversations": {"retrieval", "ngram+retrieval"} | _HEADS,
+}
 
 
 def readers(field: str) -> frozenset:
   """The methods that read the ``MethodSpec`` field ``field``."""
-  return _READERS.get(field, frozenset(METHODS) - {"ar"})
+  return frozenset(_READERS[field])
+
+
+def knobs_of(name: str) -> list[str]:
+  """The grammar's keys (``KNOBS``) the method ``name`` reads."""
+  return [key for key, field in KNOBS.items() if name in _READERS[field]]
 
 
 def _field_kinds() -> dict:
@@ -233,7 +251,7 @@ def build(model: Model, spec: MethodSpec) -> Method:
 
 
 # The drafters that stop a chain early on their own confidence (dynamic K).
-DYNAMIC_K = ("draft", "layerskip", "eagle", "eagle3", "medusa")
+DYNAMIC_K = tuple(m for m in METHODS if m in _READERS["min_confidence"])
 _DEFAULT_WIDTH = MethodSpec.tree_width
 
 
