@@ -13,6 +13,7 @@ import json
 import os
 import re
 import sys
+import textwrap
 import time
 
 import jinja2
@@ -29,7 +30,18 @@ class UsageError(Exception):
   """Bad user input; printed as one line, exit status 2."""
 
 
+class _Formatter(argparse.HelpFormatter):
+  """argparse's help, never breaking a line inside a flag's name."""
+
+  def _split_lines(self, text, width):
+    return textwrap.wrap(" ".join(text.split()), width,
+                         break_on_hyphens=False)
+
+
 class _Parser(argparse.ArgumentParser):
+  def __init__(self, *args, **kw):
+    super().__init__(*args, formatter_class=_Formatter, **kw)
+
   def error(self, message):  # argparse prints usage + message; we want one line
     raise UsageError(message)
 
