@@ -293,7 +293,8 @@ def test_prompt_longer_than_context(capsys, tmp_path):
 @pytest.mark.long
 def test_generate_json_contract(tmp_path):
   """Invariant: --json prints one object per prompt with the documented fields,
-  output_ids are the new tokens only, and text decodes them; greedy is
+  output_ids are the new tokens only, and text decodes them, each with its
+  log-probabilities (greedy: 0 sampled, below 0 raw); greedy is
   deterministic across batch sizes (batch 2 vs batch 1 give the same ids)."""
   f = tmp_path / "p.jsonl"
   f.write_text('{"prompt": "Name a color."}\n{"prompt": "Count to three."}\n')
@@ -315,6 +316,9 @@ def test_generate_json_contract(tmp_path):
     assert r["new_tokens"] == 6 or r["stop_reason"] == "eos"
     assert r["text"] == tok.decode(r["output_ids"], skip_special_tokens=True)
     assert r["tokens_per_s"] > 0 and r["wall_s"] > 0
+    assert len(r["logprobs"]) == len(r["raw_logprobs"]) == r["new_tokens"]
+    assert r["logprobs"] == [0.0] * r["new_tokens"]  # greedy's argmax
+    assert all(x < 0 for x in r["raw_logprobs"])
   assert [r["output_ids"] for r in rows] == [r["output_ids"] for r in outs[1]]
 
 

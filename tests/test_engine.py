@@ -11,7 +11,8 @@ import scipy.stats
 from specjax import testing
 from specjax.core import bucketing, engine
 from specjax.core.sampling import SamplingParams, warp
-from specjax.drafters import NGramDrafter
+from specjax.core import tree as trees
+from specjax.drafters import DraftModelDrafter, NGramDrafter, TreeProposal
 from specjax.models import decoder
 from specjax.models.decoder import Decoder
 
@@ -246,8 +247,8 @@ def test_a_drafter_outside_the_protocol_is_refused_naming_what_it_lacks():
   checked at run time); an object that is not -- here one with only a
   ``propose`` -- is refused when the ``DecodeConfig`` is built, naming the
   members it lacks."""
-  from specjax.drafters import (Drafter, DraftModelDrafter, EagleDrafter,
-                                LookupDrafter, MedusaDrafter, RetrievalDrafter)
+  from specjax.drafters import (Drafter, EagleDrafter, LookupDrafter,
+                                MedusaDrafter, RetrievalDrafter)
   from tests.test_eagle_ttt import CFG as EAGLE
   from tests.test_medusa import CFG as MEDUSA
   target = Decoder(testing.CONFIGS["llama_gqa_tied"])
@@ -289,7 +290,6 @@ def test_a_prompt_prefilled_in_chunks_decodes_as_in_one_forward(tiny):
   cache a one-forward prefill leaves (every layer's K/V below each row's
   length, 1e-5) and decode the same greedy tokens, AR and with an EAGLE-3
   head (whose features for every prompt position come from the chunks)."""
-  from specjax.drafters.eagle import EagleDrafter
   from tests.test_architectures import every_drafter
   cfg, params = tiny
   rng = np.random.default_rng(4)
@@ -337,3 +337,73 @@ def test_a_batch_that_does_not_fit_is_refused_before_allocating(
   monkeypatch.setattr(runner, "available_bytes", lambda model: need // 2)
   with pytest.raises(runner.DoesNotFit, match=r"4 rows x \d+ slots need"):
     runner.generate_ids(model, PROMPTS, max_new_tokens=4)
+
+
+class _SiblingTree(DraftModelDrafter):
+  """The model's own chain of 3 drafts as a tree whose first branch is a
+  wrong token: root -> (wrong, d0), d0 -> d1 -> d2. At T = 0 the accepted
+  path runs through nodes 2, 3, 4 (never its depths 1, 2, 3)."""
+
+  def propose_tree(self, params, state, ctx, key, num_draft, num_nodes,
+                   sampling):
+    prop = self.propose(params, state, ctx, key, 3, sampling)
+    d = prop.tokens
+    wrong = (d[:, :1] + 1) % self.target.config.vocab_size
+    tokens = jnp.concatenate([ctx.newest()[:, None], wrong, d], axis=1)
+    B = tokens.shape[0]
+    tree = trees.Tree(
+        tokens=tokens,
+        parents=jnp.broadcast_to(jnp.array([0, 0, 0, 2, 3]), (B, 5)),
+        valid=jnp.ones((B, 5), bool))
+    return TreeProposal(tree=tree, state=prop.state)
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingParams(), SamplingParams(0.8, top_k=20, top_p=0.9)],
+    ids=["greedy", "sampled"])
+@pytest.mark.parametrize("method", ["ar", "chain", "trie", "draft_model",
+                                    "sibling_tree"])
+def test_logprobs_are_the_targets_at_each_generated_token(tiny, method,
+                                                          sampling):
+  """Invariant: ``DecodeState.logprobs`` / ``raw_logprobs`` hold, at each
+  generated token, its log-probability under the warped target
+  distribution it follows (0 for greedy's argmax) and under the raw target
+  (log-softmax), as one teacher-forced forward over the whole sequence
+  gives them (1e-4, f32), for AR, a chain, a trie, a model drafter and a
+  tree whose accepted path is not its first nodes (a log-prob read at the
+  node's depth instead of the node fails); 0 at prompt positions and past
+  each row's tokens."""
+  cfg, params = tiny
+  self_draft = dict(drafter=DraftModelDrafter(Decoder(cfg)), num_draft=3)
+  kw = {"ar": {}, "chain": dict(drafter=NGramDrafter(), num_draft=3),
+        "trie": dict(drafter=NGramDrafter(num_paths=3), num_draft=3,
+                     tree_nodes=6),
+        "draft_model": self_draft,
+        "sibling_tree": dict(drafter=_SiblingTree(Decoder(cfg)),
+                             num_draft=3, tree_nodes=4)}[method]
+  prompt_BT, lengths = bucketing.pad_prompts(PROMPTS)
+  st = engine.generate_jit(
+      params, prompt_BT, lengths, jax.random.key(1), np.int32(12),
+      target=Decoder(cfg), dcfg=engine.DecodeConfig(
+          capacity=64, sampling=sampling, **kw),
+      drafter_params=params if kw.get("drafter") else None)
+  logits = decoder.forward(params, cfg, st.tokens, decoder.init_cache(
+      cfg, len(PROMPTS), 64)).logits.astype(jnp.float32)
+  want_raw = jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]),
+                                 st.tokens[:, 1:, None], axis=-1)[..., 0]
+  want = jnp.log(jnp.take_along_axis(warp(logits[:, :-1], sampling),
+                                     st.tokens[:, 1:, None], axis=-1)[..., 0])
+  pos = np.arange(1, 64)[None, :]
+  new = (pos >= np.asarray(lengths)[:, None]) & (
+      pos < np.asarray(st.num_tokens)[:, None])
+  assert new.sum() == 12 * len(PROMPTS)
+  for got, ref in ((st.logprobs, want), (st.raw_logprobs, want_raw)):
+    got = np.asarray(got)
+    np.testing.assert_allclose(got[:, 1:][new], np.asarray(ref)[new],
+                               atol=1e-4)
+    assert (got[:, 1:][~new] == 0).all() and (got[:, 0] == 0).all()
+  assert (np.asarray(st.raw_logprobs)[:, 1:][new] < 0).all()
+  if sampling.greedy:
+    assert (np.asarray(st.logprobs) == 0).all()
+  if method == "sibling_tree" and sampling.greedy:  # the path is off-spine
+    assert np.asarray(st.accepted_nodes)[:, 1:].sum() > 0

@@ -389,6 +389,8 @@ def cmd_generate(args) -> int:
         print(json.dumps(dict(
             prompt=prompts[start + j], prompt_ids=row.prompt_ids,
             output_ids=row.output_ids, text=text, new_tokens=n,
+            logprobs=[round(x, 6) for x in row.logprobs],
+            raw_logprobs=[round(x, 6) for x in row.raw_logprobs],
             stop_reason=row.stop_reason, wall_s=round(res.wall_s, 4),
             compile_s=round(res.compile_s, 3),
             # The batch shares one wall clock; per row we report the batch's.

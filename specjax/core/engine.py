@@ -45,8 +45,7 @@ from flax import struct
 from specjax.core import sharding, tree as trees
 from specjax.core.cache import KVCache
 from specjax.core.rows import set_at_rows
-from specjax.core.sampling import (SamplingParams, require_int,
-                                   sample_logits, warp)
+from specjax.core.sampling import SamplingParams, draw, require_int, warp
 from specjax.core.verify import verify_chain
 from specjax.drafters.base import Context, Drafter, TreeDrafter
 from specjax.models.target import ForwardOutput, Target, missing_members
@@ -145,6 +144,13 @@ class DecodeState:
   Attributes:
     tokens: ``int32[B, S]`` prompt + generated tokens, left-aligned.
     num_tokens: ``int32[B]`` valid entries of ``tokens``.
+    logprobs: ``f32[B, S]`` aligned with ``tokens``: each generated token's
+      log-probability under the distribution it was sampled from (the
+      target's after temperature, top-k and top-p: 0 for greedy's argmax);
+      0 at prompt positions. A speculative token's is the target's at its
+      position, read from the verify forward that scored it.
+    raw_logprobs: ``f32[B, S]`` the same tokens under the target's own
+      distribution (log-softmax of its logits, T = 1).
     prompt_lengths: ``int32[B]``.
     max_new_tokens: ``int32[]`` per-row budget of generated tokens.
     stop_reason: ``int32[B]``: RUNNING, STOP_EOS, STOP_BUDGET, STOP_CAPACITY,
@@ -165,6 +171,8 @@ class DecodeState:
   """
   tokens: jax.Array
   num_tokens: jax.Array
+  logprobs: jax.Array
+  raw_logprobs: jax.Array
   prompt_lengths: jax.Array
   max_new_tokens: jax.Array
   stop_reason: jax.Array
@@ -341,11 +349,16 @@ def prefill(params, prompt_BT: jax.Array,
                       _feature_taps(dcfg), dcfg.prefill_chunk)
   key, sub = jax.random.split(key)
   ok_B = _finite(out.logits)[:, 0] & ~bad_B
-  first_B = sample_logits(_usable_logits(out.logits, ok_B[:, None])[:, 0],
-                          dcfg.sampling, sub)
-  tokens = jnp.zeros((B, S), jnp.int32).at[:, :Tp].set(prompt_BT)
-  tokens = set_at_rows(tokens, jnp.where(ok_B, lengths, S), first_B,
-                       mode="drop")
+  logits_B1V = _usable_logits(out.logits, ok_B[:, None])
+  q_B1V = warp(logits_B1V, dcfg.sampling)
+  first_B = draw(q_B1V[:, 0], dcfg.sampling, sub)
+  first_lp = _token_logprobs(logits_B1V, q_B1V, jnp.zeros((B, 1), jnp.int32),
+                             first_B[:, None])
+  slot_B = jnp.where(ok_B, lengths, S)
+  at_first = lambda buf, values: set_at_rows(buf, slot_B, values, mode="drop")
+  tokens = at_first(jnp.zeros((B, S), jnp.int32).at[:, :Tp].set(prompt_BT),
+                    first_B)
+  zeros_BS = jnp.zeros((B, S), jnp.float32)
   drafter_state = None
   if dcfg.drafter is not None:
     drafter_state = dcfg.drafter.init(drafter_params,
@@ -353,7 +366,10 @@ def prefill(params, prompt_BT: jax.Array,
                                       _features(out))
   zeros_B = jnp.zeros((B,), jnp.int32)
   state = DecodeState(
-      tokens=tokens, num_tokens=lengths + ok_B, prompt_lengths=lengths,
+      tokens=tokens, num_tokens=lengths + ok_B,
+      logprobs=at_first(zeros_BS, first_lp[0][:, 0]),
+      raw_logprobs=at_first(zeros_BS, first_lp[1][:, 0]),
+      prompt_lengths=lengths,
       max_new_tokens=jnp.asarray(max_new_tokens, jnp.int32),
       stop_reason=zeros_B, cache=out.cache.with_lengths(lengths),
       drafter_state=drafter_state, key=key,
@@ -482,24 +498,43 @@ def _score(params, cache: KVCache, draft: _Draft, live_B: jax.Array, *,
                       lambda: verify(1)), wide
 
 
-def _verify(draft: _Draft, logits_BTV: jax.Array, live_B: jax.Array,
+def _verify(draft: _Draft, logits_BWV: jax.Array, live_B: jax.Array,
             key: jax.Array, dcfg: DecodeConfig):
   """Exact verification of the draft against the target's logits, after
-  the non-finite cut (module doc): ``(result, rows that stop)``; the
-  result's ``path`` is the accepted nodes by depth, None for a chain (its
-  path is its first positions)."""
+  the non-finite cut (module doc): ``(result, path, log-probs, rows that
+  stop)``. ``path`` is the block position each emitted token was scored
+  at (a tree's accepted nodes by depth; None for a chain: its first
+  positions); log-probs are ``_token_logprobs``' of the result's tokens."""
   if draft.tree is None:
     logits, num_drafted_B, nonfinite_B = _chain_cut(
-        logits_BTV, draft.num_drafted, live_B)
-    res = verify_chain(draft.block[:, 1:], draft.probs,
-                       warp(logits, dcfg.sampling), num_drafted_B, key,
-                       greedy=dcfg.sampling.greedy)
-    return res, None, nonfinite_B
-  logits, tree, nonfinite_B = _tree_cut(logits_BTV, draft.tree, draft.anc,
-                                        live_B)
-  res = trees.verify_tree(tree, draft.anc, warp(logits, dcfg.sampling), key,
-                          dcfg.sampling, dcfg.k)
-  return res, res.path, nonfinite_B
+        logits_BWV, draft.num_drafted, live_B)
+    q_BWV = warp(logits, dcfg.sampling)
+    res = verify_chain(draft.block[:, 1:], draft.probs, q_BWV, num_drafted_B,
+                       key, greedy=dcfg.sampling.greedy)
+    path_BK1 = None
+    at_BK1 = jnp.broadcast_to(jnp.arange(res.tokens.shape[1]),
+                              res.tokens.shape)
+  else:
+    logits, tree, nonfinite_B = _tree_cut(logits_BWV, draft.tree, draft.anc,
+                                          live_B)
+    q_BWV = warp(logits, dcfg.sampling)
+    res = trees.verify_tree(tree, draft.anc, q_BWV, key, dcfg.sampling,
+                            dcfg.k)
+    path_BK1 = at_BK1 = res.path
+  return (res, path_BK1, _token_logprobs(logits, q_BWV, at_BK1, res.tokens),
+          nonfinite_B)
+
+
+def _token_logprobs(logits_BWV: jax.Array, q_BWV: jax.Array,
+                    at_BT: jax.Array, tokens_BT: jax.Array):
+  """``(log q, log softmax(logits))`` of ``tokens[b, j]`` at block position
+  ``at[b, j]``, ``f32[B, T]`` each: under the warped distribution ``q`` it
+  was sampled from and under the target's own (T = 1)."""
+  b_B1 = jnp.arange(tokens_BT.shape[0])[:, None]
+  logits_BWV = logits_BWV.astype(jnp.float32)
+  lse_BW = jax.nn.logsumexp(logits_BWV, axis=-1)
+  return (jnp.log(q_BWV[b_B1, at_BT, tokens_BT]),
+          logits_BWV[b_B1, at_BT, tokens_BT] - lse_BW[b_B1, at_BT])
 
 
 def _on_path(x, path_BK1: Optional[jax.Array]):
@@ -512,11 +547,13 @@ def _on_path(x, path_BK1: Optional[jax.Array]):
 
 
 def _emit(state: DecodeState, tokens_BT: jax.Array, num_emitted_B: jax.Array,
-          live_B: jax.Array, dcfg: DecodeConfig):
-  """Writes each live row's verified tokens at its own offset, cut after an
-  EOS and at the budget: ``(tokens, n, hit_eos)``, with ``n[b]`` the tokens
-  row b emitted. The buffer always has room: a live row has a free slot and
-  ``_draft`` cut its drafts to the slots left."""
+          live_B: jax.Array, dcfg: DecodeConfig, logprobs=None):
+  """Writes each live row's verified tokens (and their ``logprobs``, a
+  pair ``_token_logprobs`` returns) at its own offset, cut after an EOS and
+  at the budget: ``(state, n, hit_eos)``, the state's tokens and log-probs
+  written, with ``n[b]`` the tokens row b emitted. The buffer always has
+  room: a live row has a free slot and ``_draft`` cut its drafts to the
+  slots left."""
   B, T = tokens_BT.shape
   S = dcfg.capacity
   idx_T = jnp.arange(T)[None, :]
@@ -528,9 +565,13 @@ def _emit(state: DecodeState, tokens_BT: jax.Array, num_emitted_B: jax.Array,
       n_B, state.max_new_tokens - state.num_new_tokens), 0)
   slots_BT = jnp.where(idx_T < n_B[:, None], state.num_tokens[:, None] + idx_T,
                        S)
-  tokens = set_at_rows(state.tokens, slots_BT, tokens_BT, mode="drop")
+  write = lambda buf, values: set_at_rows(buf, slots_BT, values, mode="drop")
+  state = state.replace(tokens=write(state.tokens, tokens_BT))
+  if logprobs is not None:
+    state = state.replace(logprobs=write(state.logprobs, logprobs[0]),
+                          raw_logprobs=write(state.raw_logprobs, logprobs[1]))
   hit_eos_B = jnp.any(eos_BT & (idx_T < n_B[:, None]), axis=1)
-  return tokens, n_B, hit_eos_B
+  return state, n_B, hit_eos_B
 
 
 def _tally(state: DecodeState, cache: KVCache, live_B: jax.Array,
@@ -574,17 +615,17 @@ def step(params, state: DecodeState, *,
   draft = _draft(drafter_params, state, dcfg, k_draft)
   out, wide = _score(params, state.cache, draft, live_B, target=target,
                      dcfg=dcfg)
-  res, path_BK1, nonfinite_B = _verify(draft, out.logits, live_B, k_verify,
-                                       dcfg)
+  res, path_BK1, logprobs, nonfinite_B = _verify(draft, out.logits, live_B,
+                                                 k_verify, dcfg)
   live_B &= ~nonfinite_B
-  tokens, n_B, hit_eos_B = _emit(state, res.tokens, res.num_emitted, live_B,
-                                 dcfg)
-  ctx = Context(tokens=tokens, num_tokens=state.num_tokens + n_B)
+  state, n_B, hit_eos_B = _emit(state, res.tokens, res.num_emitted, live_B,
+                                dcfg, logprobs)
+  ctx = Context(tokens=state.tokens, num_tokens=state.num_tokens + n_B)
   drafter_state = draft.drafter_state
   if dcfg.k:  # the drafter sees a tree's path as a chain
     drafter_state = dcfg.drafter.commit(drafter_params, drafter_state, ctx,
                                         _on_path(_features(out), path_BK1))
-  state = state.replace(tokens=ctx.tokens, num_tokens=ctx.num_tokens,
+  state = state.replace(num_tokens=ctx.num_tokens,
                         drafter_state=drafter_state, key=key)
   cache = state.cache.write(_on_path(out.new_kv, path_BK1),
                             state.cache.new_slots(dcfg.k + 1))

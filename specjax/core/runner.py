@@ -27,11 +27,16 @@ class RowResult:
 
   ``target_forwards`` counts verify steps after the prefill; ``accepted_at[i]``
   how often draft position i was accepted (empty for AR); ``accepted_nodes[m]``
-  how often tree node m + 1 was (empty for chains).
+  how often tree node m + 1 was (empty for chains). ``logprobs[j]`` is
+  ``output_ids[j]``'s log-probability under the distribution it was
+  sampled from, ``raw_logprobs[j]`` under the target's own (T = 1)
+  (``DecodeState.logprobs``).
   """
   prompt_ids: list[int]
   output_ids: list[int]
   stop_reason: str
+  logprobs: list[float] = dataclasses.field(default_factory=list)
+  raw_logprobs: list[float] = dataclasses.field(default_factory=list)
   target_forwards: int = 0
   num_drafted: int = 0
   accepted_at: list[int] = dataclasses.field(default_factory=list)
@@ -258,15 +263,17 @@ def _prepare(model, prompts, max_new_tokens, sampling, seed,
 
 def _rows(state: engine.DecodeState, prompts, lengths_B):
   """``(rows, num_steps, num_wide_steps)`` of a finished state."""
-  tokens, num, reasons, steps, wide, fwd, drafted, acc, nodes = (
-      sharding.to_host((state.tokens, state.num_tokens, state.stop_reason,
+  tokens, lp, raw, num, reasons, steps, wide, fwd, drafted, acc, nodes = (
+      sharding.to_host((state.tokens, state.logprobs, state.raw_logprobs,
+                        state.num_tokens, state.stop_reason,
                         state.num_steps, state.num_wide, state.num_forwards,
                         state.num_drafted, state.accepted_at,
                         state.accepted_nodes)))
   lengths_B = np.asarray(sharding.to_host(lengths_B))
-  rows = [RowResult(prompt_ids=list(map(int, p)),
-                    output_ids=tokens[b, lengths_B[b]:num[b]].tolist(),
+  new = lambda a, b: a[b, lengths_B[b]:num[b]].tolist()
+  rows = [RowResult(prompt_ids=list(map(int, p)), output_ids=new(tokens, b),
                     stop_reason=engine.STOP_NAMES[int(reasons[b])],
+                    logprobs=new(lp, b), raw_logprobs=new(raw, b),
                     target_forwards=int(fwd[b]), num_drafted=int(drafted[b]),
                     accepted_at=acc[b].tolist(),
                     accepted_nodes=nodes[b].tolist())
