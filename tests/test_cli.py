@@ -68,6 +68,7 @@ def _load_each_model_once(monkeypatch):
     ((*GEN, "--prompt", "hi", "--temperature", "-0.5"), ["--temperature"]),
     ((*GEN, "--prompt", "hi", "--top-p", "0"), ["--top-p", "(0, 1]"]),
     ((*GEN, "--prompt", "hi", "--top-p", "1.5"), ["--top-p"]),
+    ((*GEN, "--prompt", "hi", "--min-p", "-0.1"), ["--min-p", "[0, 1]"]),
     ((*GEN, "--prompt", "hi", "--top-k", "-1"), ["--top-k"]),
     ((*GEN, "--prompt", "hi", "--method", "medusa9"), ["unknown method"]),
     ((*GEN, "--prompt", "hi", "--method", "ngram", "--num-draft", "0"),

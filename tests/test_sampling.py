@@ -20,7 +20,8 @@ TEMPERATURES = (0.5, 1.0, 1.7)
 TOP_KS = (0, 1, 3, 10, V + 13)  # 0: off; V + 13: more than the vocab
 # 1: off; 1e-3: below any top probability (>= 1/V), so only the top survives.
 TOP_PS = (1.0, 0.9, 0.5, 1e-3)
-GRID = list(itertools.product(TEMPERATURES, TOP_KS, TOP_PS))
+MIN_PS = (0.0, 0.1, 0.6)  # 0: off
+GRID = list(itertools.product(TEMPERATURES, TOP_KS, TOP_PS, MIN_PS))
 
 
 def _parity_rows() -> np.ndarray:
@@ -83,19 +84,23 @@ def _tie_closed_reference(logits: np.ndarray, sp: SamplingParams):
     changed = (closed != kept).any(axis=-1)
     masked = torch.tensor(np.where(closed, pre_top_p, -np.inf))
     probs = torch.softmax(masked, dim=-1).numpy()
+  if sp.min_p > 0:  # after top-p, as generate applies it
+    scores = hf_lp.MinPLogitsWarper(sp.min_p)(None, torch.log(
+        torch.tensor(probs)))
+    probs = torch.softmax(scores, dim=-1).numpy()
   return probs, changed
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", GRID)
-def test_warp_matches_transformers_warpers(temperature, top_k, top_p):
-  """Invariant: ``warp`` equals transformers' Temperature -> TopK -> TopP
-  warpers + softmax (|Δp| <= 1e-6) on random rows and rows with exact ties at
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", GRID)
+def test_warp_matches_transformers_warpers(temperature, top_k, top_p, min_p):
+  """Invariant: ``warp`` equals transformers' Temperature -> TopK -> TopP ->
+  MinP warpers + softmax (|Δp| <= 1e-6) on random rows and rows with exact ties at
   the top-k cut (both keep every token tied with the k-th); the only allowed
   deviation is the documented top-p tie rule, which the reference applies
   exactly (see ``_tie_closed_reference``) and only on the rows built for it or
   where top-k ties meet a top-p cut."""
   logits = _parity_rows()
-  sp = SamplingParams(temperature, top_k, top_p)
+  sp = SamplingParams(temperature, top_k, top_p, min_p)
   ours = np.asarray(warp(jnp.asarray(logits), sp))
   ref, changed = _tie_closed_reference(logits, sp)
   assert ours.dtype == np.float32

@@ -191,6 +191,9 @@ def _add_sampling_args(p):
                  help="0 = greedy (default)")
   p.add_argument("--top-k", type=int, default=0, help="0 = off")
   p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+  p.add_argument("--min-p", type=float, default=0.0,
+                 help="keep tokens at least this fraction as likely as the "
+                 "most likely one (after top-p); 0 = off")
   p.add_argument("--seed", type=int, default=0)
 
 
@@ -313,7 +316,8 @@ def _read_prompts(args) -> list[str]:
 def _sampling(args):
   from specjax.core.sampling import SamplingParams
   try:
-    return SamplingParams(args.temperature, args.top_k, args.top_p)
+    return SamplingParams(args.temperature, args.top_k, args.top_p,
+                          args.min_p)
   except ValueError as e:  # "top_p must be ..." -> "--top-p must be ..."
     field, rest = str(e).split(" ", 1)
     raise UsageError(f"--{field.replace('_', '-')} {rest}") from None
@@ -402,7 +406,8 @@ def cmd_generate(args) -> int:
             accepted_at=row.accepted_at, accepted_nodes=row.accepted_nodes,
             accepted_length_histogram=row.accepted_length_histogram,
             temperature=args.temperature, top_k=args.top_k,
-            top_p=args.top_p, seed=args.seed), ensure_ascii=False))
+            top_p=args.top_p, min_p=args.min_p, seed=args.seed),
+            ensure_ascii=False))
       else:
         if len(prompts) > 1:
           print(f"### {start + j + 1}: {prompts[start + j]}")

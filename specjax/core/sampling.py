@@ -39,10 +39,15 @@ class SamplingParams:
     top_k: keep the k most likely tokens; 0 disables.
     top_p: keep the most likely tokens until their mass reaches top_p, plus
       every token tied with the last one kept; 1 disables. In (0, 1].
+    min_p: then keep the tokens whose probability is at least min_p times
+      the most likely one's; 0 disables. In [0, 1].
+  The order is transformers' ``generate``'s: temperature, top-k, top-p,
+  min-p.
   """
   temperature: float = 0.0
   top_k: int = 0
   top_p: float = 1.0
+  min_p: float = 0.0
 
   def __post_init__(self):
     require_int("top_k", self.top_k)
@@ -55,6 +60,8 @@ class SamplingParams:
                        f"range [{F32_TINY:.3g}, {F32_MAX:.3g}]; 0 is greedy")
     if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
       raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+    if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
+      raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
     if self.top_k < 0:
       raise ValueError(f"top_k must be >= 0, got {self.top_k}")
 
@@ -64,7 +71,8 @@ class SamplingParams:
 
 
 def warp(logits_XV: jax.Array, sp: SamplingParams) -> jax.Array:
-  """Probabilities ``f32[..., V]`` after temperature, top-k and top-p."""
+  """Probabilities ``f32[..., V]`` after temperature, top-k, top-p and
+  min-p."""
   logits = logits_XV.astype(jnp.float32)
   V = logits.shape[-1]
   if sp.greedy:
@@ -86,6 +94,10 @@ def warp(logits_XV: jax.Array, sp: SamplingParams) -> jax.Array:
     threshold = jnp.min(jnp.where(keep, sorted_p, jnp.inf), axis=-1,
                         keepdims=True)
     probs = jnp.where(probs >= threshold, probs, 0.0)
+    probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
+  if sp.min_p > 0:  # the most likely token always survives
+    top = jnp.max(probs, axis=-1, keepdims=True)
+    probs = jnp.where(probs >= sp.min_p * top, probs, 0.0)
     probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
   return probs
 

@@ -295,7 +295,7 @@ def run(model: Model, methods_: Sequence[methods.MethodSpec | tuple],
     result = dict(
         method=spec.name, dataset=dataset, model=model.config.name,
         temperature=sampling.temperature, top_k=sampling.top_k,
-        top_p=sampling.top_p, num_prompts=len(prompts),
+        top_p=sampling.top_p, min_p=sampling.min_p, num_prompts=len(prompts),
         new_tokens=runs[0].new_tokens, max_new_tokens=max_new_tokens,
         batch_size=batch_size, repeats=repeats, num_draft=spec.k,
         tree_nodes=spec.tree_nodes,
