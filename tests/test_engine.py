@@ -407,3 +407,85 @@ def test_logprobs_are_the_targets_at_each_generated_token(tiny, method,
     assert (np.asarray(st.logprobs) == 0).all()
   if method == "sibling_tree" and sampling.greedy:  # the path is off-spine
     assert np.asarray(st.accepted_nodes)[:, 1:].sum() > 0
+
+
+def _decode(params, cfg, method, sampling, max_new=12, **kw):
+  """``(outputs, stop reasons)`` of PROMPTS with ``method`` (as in
+  ``test_logprobs_are_the_targets_at_each_generated_token``)."""
+  drafter = {"ar": {}, "chain": dict(drafter=NGramDrafter(), num_draft=3),
+             "trie": dict(drafter=NGramDrafter(num_paths=3), num_draft=3,
+                          tree_nodes=6),
+             "draft_model": dict(drafter=DraftModelDrafter(Decoder(cfg)),
+                                 num_draft=3)}[method]
+  least = kw.pop("min_new_tokens", 0)
+  prompt_BT, lengths = bucketing.pad_prompts(PROMPTS)
+  st = engine.generate_jit(
+      params, prompt_BT, lengths, jax.random.key(1),
+      np.asarray(max_new, np.int32), target=Decoder(cfg),
+      dcfg=engine.DecodeConfig(capacity=64, sampling=sampling, **drafter,
+                               **kw),
+      drafter_params=params if drafter else None, min_new_tokens=least)
+  return ([st.tokens[b, lengths[b]:st.num_tokens[b]].tolist()
+           for b in range(len(PROMPTS))],
+          [engine.STOP_NAMES[int(r)] for r in st.stop_reason])
+
+
+METHODS_4 = ["ar", "chain", "trie", "draft_model"]
+SAMPLINGS = [SamplingParams(), SamplingParams(0.9, top_p=0.95)]
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "sampled"])
+@pytest.mark.parametrize("method", METHODS_4)
+def test_stop_sequences_cut_at_the_first_one_generated(tiny, method,
+                                                       sampling):
+  """Invariant: with stop sequences a run's output is the same run's output
+  without them, cut right after the first place one ends among the
+  generated tokens (kept, like an EOS; reason "stop"), wherever it falls
+  in a verify block or tree; never a token past it, and nothing else
+  changes -- at T = 0 and T > 0, for AR, a chain, a trie and a model
+  drafter."""
+  cfg, params = tiny
+  free, _ = _decode(params, cfg, method, sampling)
+  stops = (tuple(free[0][4:6]), tuple(free[1][2:3]))
+  cut, why = _decode(params, cfg, method, sampling, stop_sequences=stops)
+  for out, got, reason in zip(free, cut, why):
+    ends = [j + 1 for j in range(len(out))
+            if any(tuple(out[j + 1 - len(s):j + 1]) == s and j + 1 >= len(s)
+                   for s in stops)]
+    assert got == out[:ends[0]] if ends else got == out
+    assert reason == ("stop" if ends else "length")
+  assert why[:2] == ["stop", "stop"]
+
+
+@pytest.mark.parametrize("method", METHODS_4)
+def test_min_new_tokens_masks_eos_as_transformers_does(tiny, method):
+  """Invariant: below ``min_new_tokens`` a row's EOS logits are masked (as
+  transformers' ``min_new_tokens``), so greedy output equals greedy
+  decoding with those logits at -inf, recomputed over the whole sequence
+  each step, for every method; per-row minimums and budgets are each
+  row's own."""
+  cfg, params = tiny
+  free, _ = _decode(params, cfg, "ar", SamplingParams())
+  eos = free[0][1]  # the second token row 0 generates
+  least, budgets = [4, 0, 2, 6], [12, 3, 12, 8]
+  got, why = _decode(params, cfg, method, SamplingParams(), max_new=budgets,
+                     eos_ids=(eos,), min_new_tokens=np.int32(least))
+  full = jax.jit(lambda t: decoder.forward(params, cfg, t,
+                                         decoder.init_cache(cfg, 1, 32)).logits)
+  for prompt, out, reason, m, n in zip(PROMPTS, got, why, least, budgets):
+    seq = list(prompt)
+    while len(seq) - len(prompt) < n:
+      logits = full(jnp.array([seq + [0] * (32 - len(seq))]))[
+          0, len(seq) - 1]
+      if len(seq) - len(prompt) < m:
+        logits = logits.at[eos].set(-jnp.inf)
+      seq.append(int(jnp.argmax(logits)))
+      if seq[-1] == eos:
+        break
+    assert out == seq[len(prompt):]
+    assert reason == ("eos" if out[-1] == eos else "length")
+    assert eos not in out[:m]
+  # Without the minimum row 0 ends at its second token; with it, later.
+  unmasked, _ = _decode(params, cfg, method, SamplingParams(),
+                        max_new=budgets, eos_ids=(eos,))
+  assert len(unmasked[0]) == 2 and len(got[0]) > 4

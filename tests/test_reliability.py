@@ -350,3 +350,30 @@ def test_bad_api_arguments_are_typed_errors(tiny):
   rows = runner.generate_ids(model, np.array([[1, 2, 3], [1, 2, 3]]),
                              max_new_tokens=2).rows
   assert rows[0].output_ids == rows[1].output_ids and len(rows) == 2
+
+
+def test_runner_takes_per_row_budgets_minimums_and_stops():
+  """Invariant: ``generate_ids`` gives each prompt its own budget and
+  minimum and cuts at a stop sequence (reason "stop"), the rows otherwise
+  as one budget for all gives them; a list of the wrong length, a budget
+  below 1 and an empty stop sequence are refused with one line naming
+  them."""
+  from specjax.core import runner
+  model = testing.tiny_model()
+  prompts = [[5, 17, 3], [9, 1, 30, 22], [33, 4]]
+  free = runner.generate_ids(model, prompts, max_new_tokens=8).rows
+  stop = free[1].output_ids[2:4]
+  rows = runner.generate_ids(model, prompts, max_new_tokens=[3, 8, 5],
+                             min_new_tokens=[0, 1, 2], stop=[stop]).rows
+  assert rows[0].output_ids == free[0].output_ids[:3]
+  assert rows[1].output_ids == free[1].output_ids[:4]
+  assert rows[1].stop_reason == "stop"
+  assert rows[2].output_ids == free[2].output_ids[:5]
+  for kw, words in ((dict(max_new_tokens=[3, 8]), "max_new_tokens gives 2 "
+                     "values for 3 prompts"),
+                    (dict(max_new_tokens=[3, 0, 1]), "max_new_tokens must "
+                     "be >= 1, got 0"),
+                    (dict(max_new_tokens=4, stop=[[]]), "each stop sequence "
+                     "must be a non-empty tuple")):
+    with pytest.raises(ValueError, match=re.escape(words)):
+      runner.generate_ids(model, prompts, **kw)

@@ -57,6 +57,12 @@ def _build_parser() -> argparse.ArgumentParser:
   src.add_argument("--prompt-file",
                    help='JSONL file, one {"prompt": ...} object per line')
   g.add_argument("--max-new-tokens", type=int, default=128)
+  g.add_argument("--min-new-tokens", type=int, default=0,
+                 help="tokens generated before an EOS or a --stop can end a "
+                 "reply (its EOS is masked until then)")
+  g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                 help="end a reply where the tokens of TEXT are generated "
+                 "(kept in it, like an EOS); repeatable")
   _add_sampling_args(g)
   g.add_argument("--batch-size", type=int, default=8)
   g.add_argument("--no-chat-template", action="store_true",
@@ -281,6 +287,20 @@ def _check_common(args):
     raise UsageError(f"--seed must be in [0, 2**63), got {args.seed}")
 
 
+def _ends(args, model) -> dict:
+  """``generate_ids``' ``min_new_tokens`` and ``stop`` (each --stop text's
+  token ids, no BOS) from the flags."""
+  if not 0 <= args.min_new_tokens <= args.max_new_tokens:
+    raise UsageError(f"--min-new-tokens must be in [0, --max-new-tokens], "
+                     f"got {args.min_new_tokens}")
+  stop = [model.tokenizer.encode(text, add_special_tokens=False)
+          for text in args.stop]
+  for text, seq in zip(args.stop, stop):
+    if not seq:
+      raise UsageError(f"--stop {text!r} encodes to no tokens")
+  return dict(min_new_tokens=args.min_new_tokens, stop=stop)
+
+
 def _check_fits(model, ids, max_new_tokens: int, specs) -> None:
   """Each prompt and its new tokens fit the context, and so does the
   widest verify block (``runner.check_context``), worded with the flags."""
@@ -367,13 +387,14 @@ def cmd_generate(args) -> int:
   ids = _encode(model, prompts, chat=not args.no_chat_template)
   _check_fits(model, ids, args.max_new_tokens, [spec])
   method = _build(model, spec)
+  ends = _ends(args, model)
 
   if args.stream and args.json:
     raise UsageError("--stream prints text; it does not go with --json")
   if args.stream or (args.stream is None and not args.json
                      and sys.stdout.isatty()):
     return _stream_generate(args, model, spec, prompts, ids, sampling,
-                            method)
+                            method, ends)
   from tqdm import tqdm
   batches = range(0, len(ids), args.batch_size)
   bar = tqdm(batches, desc="generating", unit="batch", file=sys.stderr,
@@ -383,7 +404,7 @@ def cmd_generate(args) -> int:
     chunk = ids[start:start + args.batch_size]
     res = runner.generate_ids(model, chunk, max_new_tokens=args.max_new_tokens,
                               sampling=sampling, seed=args.seed + start,
-                              method=method)
+                              method=method, **ends)
     all_rows += res.rows
     wall, new_tokens = wall + res.wall_s, new_tokens + res.new_tokens
     for j, row in enumerate(res.rows):
@@ -443,8 +464,8 @@ def _speculative_summary(spec, rows, tokens_per_s: Optional[float]) -> None:
         file=sys.stderr)
 
 
-def _stream_generate(args, model, spec, prompts, ids, sampling,
-                     method) -> int:
+def _stream_generate(args, model, spec, prompts, ids, sampling, method,
+                     ends) -> int:
   """``generate`` printing each prompt's text as the steps commit it."""
   from specjax.core import runner
   from specjax.models.tokenizer import StreamDecoder
@@ -458,7 +479,7 @@ def _stream_generate(args, model, spec, prompts, ids, sampling,
     res = runner.stream_ids(model, [prompt_ids], write,
                             max_new_tokens=args.max_new_tokens,
                             sampling=sampling, seed=args.seed + i,
-                            method=method)
+                            method=method, **ends)
     print(detok.flush() + "\n", flush=True)
     rows += res.rows
   if spec.k:

@@ -40,11 +40,12 @@ from typing import Any, Iterator, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from specjax.core import sharding, tree as trees
 from specjax.core.cache import KVCache
-from specjax.core.rows import set_at_rows
+from specjax.core.rows import at_rows, set_at_rows
 from specjax.core.sampling import SamplingParams, draw, require_int, warp
 from specjax.core.verify import verify_chain
 from specjax.drafters.base import Context, Drafter, TreeDrafter
@@ -52,10 +53,10 @@ from specjax.models.target import ForwardOutput, Target, missing_members
 
 # Per-row stop reasons (``DecodeState.stop_reason``).
 (RUNNING, STOP_EOS, STOP_BUDGET, STOP_CAPACITY, STOP_NONFINITE,
- STOP_BAD_PROMPT) = range(6)
+ STOP_BAD_PROMPT, STOP_SEQUENCE) = range(7)
 STOP_NAMES = {RUNNING: "running", STOP_EOS: "eos", STOP_BUDGET: "length",
               STOP_CAPACITY: "capacity", STOP_NONFINITE: "nonfinite",
-              STOP_BAD_PROMPT: "bad_prompt"}
+              STOP_BAD_PROMPT: "bad_prompt", STOP_SEQUENCE: "stop"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +70,9 @@ class DecodeConfig:
     sampling: warping and temperature (0 = greedy), shared by drafter and
       target.
     eos_ids: tokens that end a row (the EOS itself is kept in the output).
+    stop_sequences: token sequences that end a row where one is generated
+      (kept in the output, like an EOS; the whole sequence among the
+      generated tokens), checked at every position of an accepted block.
     drafter: a ``drafters.base.Drafter`` or None for plain AR decoding.
     num_draft: K, drafts per step (ignored without a drafter): the one place
       K is set; the drafter gets it from the engine. For trees, the deepest
@@ -87,6 +91,7 @@ class DecodeConfig:
   capacity: int
   sampling: SamplingParams = SamplingParams()
   eos_ids: tuple[int, ...] = ()
+  stop_sequences: tuple[tuple[int, ...], ...] = ()
   drafter: Optional[Drafter] = None
   num_draft: int = 0
   tree_nodes: int = 0
@@ -98,6 +103,12 @@ class DecodeConfig:
       require_int(name, getattr(self, name))
     if self.prefill_chunk < 1:
       raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+    for seq in self.stop_sequences:
+      if not (isinstance(seq, tuple) and seq and all(
+          isinstance(t, int) and not isinstance(t, bool) and t >= 0
+          for t in seq)):
+        raise ValueError(f"each stop sequence must be a non-empty tuple of "
+                         f"token ids, got {seq!r}")
     if self.capacity < 1 or self.num_draft < 0 or self.tree_nodes < 0:
       raise ValueError(f"capacity must be >= 1, num_draft and tree_nodes >= "
                        f"0; got {self.capacity}, {self.num_draft}, "
@@ -152,7 +163,10 @@ class DecodeState:
     raw_logprobs: ``f32[B, S]`` the same tokens under the target's own
       distribution (log-softmax of its logits, T = 1).
     prompt_lengths: ``int32[B]``.
-    max_new_tokens: ``int32[]`` per-row budget of generated tokens.
+    max_new_tokens: ``int32[B]`` each row's budget of generated tokens.
+    min_new_tokens: ``int32[B]`` generated tokens before which a row can
+      neither sample an EOS (its logits are masked, as transformers'
+      ``min_new_tokens``) nor end on a stop sequence.
     stop_reason: ``int32[B]``: RUNNING, STOP_EOS, STOP_BUDGET, STOP_CAPACITY,
       STOP_NONFINITE or STOP_BAD_PROMPT.
     cache: target KV cache, ``lengths == num_tokens - 1`` while running.
@@ -175,6 +189,7 @@ class DecodeState:
   raw_logprobs: jax.Array
   prompt_lengths: jax.Array
   max_new_tokens: jax.Array
+  min_new_tokens: jax.Array
   stop_reason: jax.Array
   cache: KVCache
   drafter_state: Any
@@ -213,12 +228,14 @@ def _laid_out(state: DecodeState, target: Target,
 def _update_stops(state: DecodeState, hit_eos_B: jax.Array,
                   dcfg: DecodeConfig,
                   nonfinite_B: Optional[jax.Array] = None,
-                  bad_prompt_B: Optional[jax.Array] = None) -> DecodeState:
+                  bad_prompt_B: Optional[jax.Array] = None,
+                  hit_stop_B: Optional[jax.Array] = None) -> DecodeState:
   """Marks rows that just stopped; the first reason to fire wins."""
   clauses = (
       (STOP_BAD_PROMPT, False if bad_prompt_B is None else bad_prompt_B),
       (STOP_NONFINITE, False if nonfinite_B is None else nonfinite_B),
       (STOP_EOS, hit_eos_B),
+      (STOP_SEQUENCE, False if hit_stop_B is None else hit_stop_B),
       (STOP_BUDGET, state.num_new_tokens >= state.max_new_tokens),
       # The token buffer is full: AR's clause for every method (``_draft``
       # clips the drafts to the slots left, so speculation never stops a
@@ -309,18 +326,58 @@ def _is_eos(tokens, dcfg: DecodeConfig):
   return jnp.isin(tokens, jnp.asarray(dcfg.eos_ids or (-1,), jnp.int32))
 
 
+def _mask_eos(logits_BWV: jax.Array, new_BW: jax.Array, min_new_B: jax.Array,
+              dcfg: DecodeConfig) -> jax.Array:
+  """The EOS logits set to -inf at each position whose token would be
+  generated token ``new[b, w]`` (0-based) below the row's
+  ``min_new_tokens``; the logits as they are without EOS ids."""
+  if not dcfg.eos_ids:
+    return logits_BWV
+  eos = jnp.asarray(dcfg.eos_ids, jnp.int32)
+  early_BW1 = (new_BW < min_new_B[:, None])[..., None]
+  return logits_BWV.at[..., eos].set(
+      jnp.where(early_BW1, -jnp.inf, logits_BWV[..., eos]))
+
+
+def _stop_ends(state: DecodeState, tokens_BT: jax.Array,
+               dcfg: DecodeConfig) -> jax.Array:
+  """``bool[B, T]``: a stop sequence ends at new token j (the row's
+  committed tokens, then ``tokens``), all of it among the generated tokens
+  and at or past the row's ``min_new_tokens``."""
+  L = max(map(len, dcfg.stop_sequences))
+  B, T = tokens_BT.shape
+  hist_BH = jnp.arange(1 - L, 0)[None, :] + state.num_tokens[:, None]
+  seq_BX = jnp.concatenate(
+      [at_rows(state.tokens, jnp.maximum(hist_BH, 0)), tokens_BT], axis=1)
+  generated_BX = jnp.concatenate(
+      [hist_BH >= state.prompt_lengths[:, None], jnp.ones((B, T), bool)], 1)
+  ends_BT = jnp.zeros((B, T), bool)
+  for stop in dcfg.stop_sequences:
+    idx_TL = (np.arange(T)[:, None] + (L - len(stop))
+              + np.arange(len(stop))[None, :])
+    stop_11L = jnp.asarray(stop, jnp.int32)[None, None, :]
+    ends_BT |= (jnp.all(seq_BX[:, idx_TL] == stop_11L, axis=-1)
+                & jnp.all(generated_BX[:, idx_TL], axis=-1))
+  new_BT = state.num_new_tokens[:, None] + jnp.arange(T)[None, :]
+  return ends_BT & (new_BT >= state.min_new_tokens[:, None])
+
+
 def prefill(params, prompt_BT: jax.Array,
             prompt_lengths_B: jax.Array, key: jax.Array,
             max_new_tokens: jax.Array | int, *, target: Target,
-            dcfg: DecodeConfig, drafter_params: Any = None) -> DecodeState:
+            dcfg: DecodeConfig, drafter_params: Any = None,
+            min_new_tokens: jax.Array | int = 0) -> DecodeState:
   """Runs the prompts (right-padded to a bucket) and samples each first token.
 
   Args:
     prompt_BT: ``int32[B, Tp]`` prompts padded on the right (any pad id).
     prompt_lengths_B: true lengths, each in ``[1, Tp]`` (a row outside
       it stops at once as ``STOP_BAD_PROMPT``).
-    max_new_tokens: budget of generated tokens per row, at least 1: the
-      prefill always samples one (an array: changing it does not recompile).
+    max_new_tokens: budget of generated tokens, at least 1 (the prefill
+      always samples one): one for all rows or ``int32[B]``, each row's (an
+      array: changing it does not recompile).
+    min_new_tokens: tokens each row generates before an EOS or a stop
+      sequence can end it (``DecodeState.min_new_tokens``); one or per row.
     drafter_params: the drafter's parameters (a pytree), if it has any.
     target: the model (``models.target.Target``; static), e.g.
       ``Model.target``.
@@ -347,38 +404,40 @@ def prefill(params, prompt_BT: jax.Array,
         cache, sharding.cache_specs(cache, target, dcfg.mesh), dcfg.mesh)
   out = _score_prompt(params, target, prompt_BT, lengths, cache,
                       _feature_taps(dcfg), dcfg.prefill_chunk)
-  key, sub = jax.random.split(key)
-  ok_B = _finite(out.logits)[:, 0] & ~bad_B
-  logits_B1V = _usable_logits(out.logits, ok_B[:, None])
-  q_B1V = warp(logits_B1V, dcfg.sampling)
-  first_B = draw(q_B1V[:, 0], dcfg.sampling, sub)
-  first_lp = _token_logprobs(logits_B1V, q_B1V, jnp.zeros((B, 1), jnp.int32),
-                             first_B[:, None])
-  slot_B = jnp.where(ok_B, lengths, S)
-  at_first = lambda buf, values: set_at_rows(buf, slot_B, values, mode="drop")
-  tokens = at_first(jnp.zeros((B, S), jnp.int32).at[:, :Tp].set(prompt_BT),
-                    first_B)
-  zeros_BS = jnp.zeros((B, S), jnp.float32)
   drafter_state = None
   if dcfg.drafter is not None:
     drafter_state = dcfg.drafter.init(drafter_params,
                                       Context(prompt_BT, lengths), S, dcfg.k,
                                       _features(out))
   zeros_B = jnp.zeros((B,), jnp.int32)
+  per_row = lambda x: jnp.broadcast_to(jnp.asarray(x, jnp.int32), (B,))
+  zeros_BS = jnp.zeros((B, S), jnp.float32)
   state = DecodeState(
-      tokens=tokens, num_tokens=lengths + ok_B,
-      logprobs=at_first(zeros_BS, first_lp[0][:, 0]),
-      raw_logprobs=at_first(zeros_BS, first_lp[1][:, 0]),
-      prompt_lengths=lengths,
-      max_new_tokens=jnp.asarray(max_new_tokens, jnp.int32),
-      stop_reason=zeros_B, cache=out.cache.with_lengths(lengths),
+      tokens=jnp.zeros((B, S), jnp.int32).at[:, :Tp].set(prompt_BT),
+      num_tokens=lengths, logprobs=zeros_BS, raw_logprobs=zeros_BS,
+      prompt_lengths=lengths, max_new_tokens=per_row(max_new_tokens),
+      min_new_tokens=per_row(min_new_tokens), stop_reason=zeros_B,
+      cache=out.cache.with_lengths(lengths),
       drafter_state=drafter_state, key=key,
       num_steps=jnp.zeros((), jnp.int32), num_wide=jnp.zeros((), jnp.int32),
       num_forwards=zeros_B,
       num_drafted=zeros_B, accepted_at=jnp.zeros((B, dcfg.k), jnp.int32),
       accepted_nodes=jnp.zeros((B, dcfg.tree_nodes), jnp.int32))
-  return _laid_out(_update_stops(state, _is_eos(first_B, dcfg) & ok_B, dcfg,
-                                 nonfinite_B=~ok_B, bad_prompt_B=bad_B),
+  # The first token: sampled from the prompt's last logits and emitted as
+  # a block of one (EOS, stop sequences and the budget as in a step).
+  key, sub = jax.random.split(key)
+  ok_B = _finite(out.logits)[:, 0] & ~bad_B
+  logits_B1V = _usable_logits(out.logits, ok_B[:, None])
+  q_B1V = warp(_mask_eos(logits_B1V, zeros_B[:, None], state.min_new_tokens,
+                         dcfg), dcfg.sampling)
+  first_B1 = draw(q_B1V, dcfg.sampling, sub)
+  state, n_B, hit_eos_B, hit_stop_B = _emit(
+      state.replace(key=key), first_B1, ok_B.astype(jnp.int32), ok_B, dcfg,
+      _token_logprobs(logits_B1V, q_B1V, jnp.zeros((B, 1), jnp.int32),
+                      first_B1))
+  state = state.replace(num_tokens=lengths + n_B)
+  return _laid_out(_update_stops(state, hit_eos_B, dcfg, nonfinite_B=~ok_B,
+                                 bad_prompt_B=bad_B, hit_stop_B=hit_stop_B),
                    target, dcfg)
 
 
@@ -498,17 +557,20 @@ def _score(params, cache: KVCache, draft: _Draft, live_B: jax.Array, *,
                       lambda: verify(1)), wide
 
 
-def _verify(draft: _Draft, logits_BWV: jax.Array, live_B: jax.Array,
-            key: jax.Array, dcfg: DecodeConfig):
+def _verify(state: DecodeState, draft: _Draft, logits_BWV: jax.Array,
+            live_B: jax.Array, key: jax.Array, dcfg: DecodeConfig):
   """Exact verification of the draft against the target's logits, after
   the non-finite cut (module doc): ``(result, path, log-probs, rows that
   stop)``. ``path`` is the block position each emitted token was scored
   at (a tree's accepted nodes by depth; None for a chain: its first
   positions); log-probs are ``_token_logprobs``' of the result's tokens."""
+  new_B1 = state.num_new_tokens[:, None]
   if draft.tree is None:
     logits, num_drafted_B, nonfinite_B = _chain_cut(
         logits_BWV, draft.num_drafted, live_B)
-    q_BWV = warp(logits, dcfg.sampling)
+    new_BW = new_B1 + jnp.arange(logits.shape[1])[None, :]
+    q_BWV = warp(_mask_eos(logits, new_BW, state.min_new_tokens, dcfg),
+                 dcfg.sampling)
     res = verify_chain(draft.block[:, 1:], draft.probs, q_BWV, num_drafted_B,
                        key, greedy=dcfg.sampling.greedy)
     path_BK1 = None
@@ -517,7 +579,9 @@ def _verify(draft: _Draft, logits_BWV: jax.Array, live_B: jax.Array,
   else:
     logits, tree, nonfinite_B = _tree_cut(logits_BWV, draft.tree, draft.anc,
                                           live_B)
-    q_BWV = warp(logits, dcfg.sampling)
+    new_BW = new_B1 + trees.depths(draft.anc)
+    q_BWV = warp(_mask_eos(logits, new_BW, state.min_new_tokens, dcfg),
+                 dcfg.sampling)
     res = trees.verify_tree(tree, draft.anc, q_BWV, key, dcfg.sampling,
                             dcfg.k)
     path_BK1 = at_BK1 = res.path
@@ -550,17 +614,21 @@ def _emit(state: DecodeState, tokens_BT: jax.Array, num_emitted_B: jax.Array,
           live_B: jax.Array, dcfg: DecodeConfig, logprobs=None):
   """Writes each live row's verified tokens (and their ``logprobs``, a
   pair ``_token_logprobs`` returns) at its own offset, cut after an EOS and
-  at the budget: ``(state, n, hit_eos)``, the state's tokens and log-probs
-  written, with ``n[b]`` the tokens row b emitted. The buffer always has
+  after a stop sequence and at the budget: ``(state, n, hit_eos,
+  hit_stop)``, the state's tokens and log-probs written, with ``n[b]`` the
+  tokens row b emitted. The buffer always has
   room: a live row has a free slot and ``_draft`` cut its drafts to the
   slots left."""
   B, T = tokens_BT.shape
   S = dcfg.capacity
   idx_T = jnp.arange(T)[None, :]
   eos_BT = _is_eos(tokens_BT, dcfg) & (idx_T < num_emitted_B[:, None])
-  first_eos_B = jnp.where(jnp.any(eos_BT, axis=1),
-                          jnp.argmax(eos_BT, axis=1), T)
-  n_B = jnp.minimum(num_emitted_B, first_eos_B + 1)
+  stop_BT = (_stop_ends(state, tokens_BT, dcfg) if dcfg.stop_sequences
+             else jnp.zeros_like(eos_BT)) & (idx_T < num_emitted_B[:, None])
+  end_BT = eos_BT | stop_BT
+  first_end_B = jnp.where(jnp.any(end_BT, axis=1),
+                          jnp.argmax(end_BT, axis=1), T)
+  n_B = jnp.minimum(num_emitted_B, first_end_B + 1)
   n_B = jnp.where(live_B, jnp.minimum(
       n_B, state.max_new_tokens - state.num_new_tokens), 0)
   slots_BT = jnp.where(idx_T < n_B[:, None], state.num_tokens[:, None] + idx_T,
@@ -570,8 +638,9 @@ def _emit(state: DecodeState, tokens_BT: jax.Array, num_emitted_B: jax.Array,
   if logprobs is not None:
     state = state.replace(logprobs=write(state.logprobs, logprobs[0]),
                           raw_logprobs=write(state.raw_logprobs, logprobs[1]))
-  hit_eos_B = jnp.any(eos_BT & (idx_T < n_B[:, None]), axis=1)
-  return state, n_B, hit_eos_B
+  kept_BT = idx_T < n_B[:, None]
+  return (state, n_B, jnp.any(eos_BT & kept_BT, axis=1),
+          jnp.any(stop_BT & kept_BT, axis=1))
 
 
 def _tally(state: DecodeState, cache: KVCache, live_B: jax.Array,
@@ -615,11 +684,11 @@ def step(params, state: DecodeState, *,
   draft = _draft(drafter_params, state, dcfg, k_draft)
   out, wide = _score(params, state.cache, draft, live_B, target=target,
                      dcfg=dcfg)
-  res, path_BK1, logprobs, nonfinite_B = _verify(draft, out.logits, live_B,
-                                                 k_verify, dcfg)
+  res, path_BK1, logprobs, nonfinite_B = _verify(state, draft, out.logits,
+                                                 live_B, k_verify, dcfg)
   live_B &= ~nonfinite_B
-  state, n_B, hit_eos_B = _emit(state, res.tokens, res.num_emitted, live_B,
-                                dcfg, logprobs)
+  state, n_B, hit_eos_B, hit_stop_B = _emit(
+      state, res.tokens, res.num_emitted, live_B, dcfg, logprobs)
   ctx = Context(tokens=state.tokens, num_tokens=state.num_tokens + n_B)
   drafter_state = draft.drafter_state
   if dcfg.k:  # the drafter sees a tree's path as a chain
@@ -631,17 +700,19 @@ def step(params, state: DecodeState, *,
                             state.cache.new_slots(dcfg.k + 1))
   state = _tally(state, cache, live_B, wide, draft.num_drafted,
                  res.num_accepted, dcfg.k, path_BK1)
-  return _laid_out(_update_stops(state, hit_eos_B, dcfg, nonfinite_B),
-                   target, dcfg)
+  return _laid_out(_update_stops(state, hit_eos_B, dcfg, nonfinite_B,
+                                 hit_stop_B=hit_stop_B), target, dcfg)
 
 
 def generate(params, prompt_BT: jax.Array,
              prompt_lengths_B: jax.Array, key: jax.Array,
              max_new_tokens: jax.Array | int, *, target: Target,
-             dcfg: DecodeConfig, drafter_params: Any = None) -> DecodeState:
+             dcfg: DecodeConfig, drafter_params: Any = None,
+             min_new_tokens: jax.Array | int = 0) -> DecodeState:
   """Prefill then ``step`` until every row has stopped, in one while_loop."""
   state = prefill(params, prompt_BT, prompt_lengths_B, key, max_new_tokens,
-                  target=target, dcfg=dcfg, drafter_params=drafter_params)
+                  target=target, dcfg=dcfg, drafter_params=drafter_params,
+                  min_new_tokens=min_new_tokens)
   return jax.lax.while_loop(
       lambda s: jnp.any(~s.done),
       lambda s: step(params, s, target=target, dcfg=dcfg,
@@ -657,7 +728,8 @@ generate_jit = jax.jit(generate, static_argnames=_STATIC)
 
 def stream(params, prompt_BT, prompt_lengths_B, key,
            max_new_tokens, *, target: Target, dcfg: DecodeConfig,
-           drafter_params: Any = None) -> Iterator[DecodeState]:
+           drafter_params: Any = None,
+           min_new_tokens: jax.Array | int = 0) -> Iterator[DecodeState]:
   """Yields the state after the prefill and after every step (same jitted step).
 
   For notebooks and streaming UIs: each yielded state's ``tokens`` hold
@@ -665,8 +737,8 @@ def stream(params, prompt_BT, prompt_lengths_B, key,
   need from a yielded state before advancing the iterator.
   """
   state = prefill_jit(params, prompt_BT, prompt_lengths_B, key, max_new_tokens,
-                      target=target, dcfg=dcfg,
-                      drafter_params=drafter_params)
+                      target=target, dcfg=dcfg, drafter_params=drafter_params,
+                      min_new_tokens=min_new_tokens)
   yield state
   while not bool(jnp.all(state.done)):
     state = step_jit(params, state, target=target, dcfg=dcfg,

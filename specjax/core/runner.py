@@ -112,16 +112,17 @@ class ContextError(ValueError):
             f"{self.context}")
 
 
-def check_context(model: Model, lengths: Sequence[int], max_new_tokens: int,
-                  block: int = 1) -> None:
+def check_context(model: Model, lengths: Sequence[int],
+                  max_new_tokens: int | Sequence[int], block: int = 1) -> None:
   """Raises ``ContextError`` when a prompt and its new tokens do not fit
   ``model.config.max_position``, or a verify block is wider than it. A
   block may reach past the last position: what it drafts there is past the
   budget and never kept (tests/test_reliability.py)."""
   ctx = model.config.max_position
-  for i, n in enumerate(lengths):
-    if n + max_new_tokens > ctx or block > ctx:
-      raise ContextError(i, int(n), max_new_tokens, block, ctx)
+  budgets = np.broadcast_to(max_new_tokens, (len(lengths),))
+  for i, (n, budget) in enumerate(zip(lengths, budgets)):
+    if n + budget > ctx or block > ctx:
+      raise ContextError(i, int(n), int(budget), block, ctx)
 
 
 def _check_ids(prompts, vocab_size: int) -> list[list[int]]:
@@ -186,23 +187,29 @@ def check_memory(model: Model, batch: int, capacity: int,
 
 
 def generate_ids(model: Model, prompts: Sequence[Sequence[int]], *,
-                 max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
-                 seed: int = 0, method: Method = AR) -> BatchResult:
+                 max_new_tokens: int | Sequence[int],
+                 sampling: SamplingParams = SamplingParams(), seed: int = 0,
+                 method: Method = AR, min_new_tokens: int | Sequence[int] = 0,
+                 stop: Sequence[Sequence[int]] = ()) -> BatchResult:
   """Generates for a batch of token-id prompts in one compiled call, with
   ``method`` (``methods.build``; default AR).
+
+  ``max_new_tokens`` and ``min_new_tokens`` are one for all prompts or one
+  per prompt (``DecodeState``'s); ``stop`` holds token sequences that end a
+  row where one is generated (``DecodeConfig.stop_sequences``).
 
   Each (batch, prompt bucket, capacity, config) shape is compiled once per
   process, ahead of the timed call, so ``wall_s`` never includes compilation.
   A model loaded onto a mesh (``Model.mesh``) decodes over all of it: the
   rows split over its ``data`` axis, drafter parameters replicated.
   """
-  args, dcfg, drafter_params = _prepare(model, prompts, max_new_tokens,
-                                        sampling, seed, method)
+  args, kw, dcfg = _prepare(model, prompts, max_new_tokens, sampling, seed,
+                            method, min_new_tokens, stop)
   start = time.perf_counter()
-  run = _compiled(args, drafter_params, model, dcfg)
+  run = _compiled(args, kw, model, dcfg)
   compile_s = time.perf_counter() - start
   start = time.perf_counter()
-  state = run(*args, drafter_params=drafter_params)
+  state = run(*args, **kw)
   rows, steps, wide = _rows(state, prompts, args[2])
   return BatchResult(rows=rows, wall_s=time.perf_counter() - start,
                      compile_s=compile_s, num_steps=steps,
@@ -211,19 +218,20 @@ def generate_ids(model: Model, prompts: Sequence[Sequence[int]], *,
 
 def stream_ids(model: Model, prompts: Sequence[Sequence[int]],
                on_tokens: Callable[[list[list[int]]], None], *,
-               max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
-               seed: int = 0, method: Method = AR) -> BatchResult:
+               max_new_tokens: int | Sequence[int],
+               sampling: SamplingParams = SamplingParams(), seed: int = 0,
+               method: Method = AR, min_new_tokens: int | Sequence[int] = 0,
+               stop: Sequence[Sequence[int]] = ()) -> BatchResult:
   """``generate_ids`` one step at a time (``engine.stream``: the same jitted
   step): after the prefill and after every step, ``on_tokens`` gets each
   row's newly committed token ids. The same tokens as ``generate_ids``;
   ``wall_s`` includes compiling the prefill and step (``compile_s`` 0)."""
-  args, dcfg, drafter_params = _prepare(model, prompts, max_new_tokens,
-                                        sampling, seed, method)
+  args, kw, dcfg = _prepare(model, prompts, max_new_tokens, sampling, seed,
+                            method, min_new_tokens, stop)
   lengths = sharding.to_host(args[2])
   shown = lengths.copy()
   start = time.perf_counter()
-  for state in engine.stream(*args, target=model.target, dcfg=dcfg,
-                             drafter_params=drafter_params):
+  for state in engine.stream(*args, target=model.target, dcfg=dcfg, **kw):
     tokens, num = sharding.to_host((state.tokens, state.num_tokens))
     on_tokens([tokens[b, shown[b]:num[b]].tolist()
                for b in range(len(prompts))])
@@ -233,32 +241,49 @@ def stream_ids(model: Model, prompts: Sequence[Sequence[int]],
                      compile_s=0.0, num_steps=steps, num_wide_steps=wide)
 
 
-def _prepare(model, prompts, max_new_tokens, sampling, seed,
-             method: Method):
+def _per_row(name: str, value, rows: int, least: int) -> np.ndarray:
+  """``int32[rows]``: ``value`` for every row, or one per row, each an
+  integer of at least ``least``."""
+  values = [value] * rows if np.ndim(value) == 0 else list(value)
+  if len(values) != rows:
+    raise ValueError(f"{name} gives {len(values)} values for {rows} prompts")
+  for v in values:
+    require_int(name, v)
+    if v < least:
+      raise ValueError(f"{name} must be >= {least}, got {v}")
+  return np.asarray(values, np.int32)
+
+
+def _prepare(model, prompts, max_new_tokens, sampling, seed, method: Method,
+             min_new_tokens=0, stop=()):
   """Checked, padded, placed arguments of ``engine.generate``: ``(args,
-  dcfg, drafter_params)``."""
-  require_int("max_new_tokens", max_new_tokens)
-  if max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+  keyword args, dcfg)``."""
   if not isinstance(method, Method):
     raise TypeError(f"method must be a specjax Method (methods.build), got "
                     f"{type(method).__name__}")
-  drafter_params = method.params
   prompts = _check_ids(prompts, model.config.vocab_size)
+  budgets = _per_row("max_new_tokens", max_new_tokens, len(prompts), 1)
+  least = _per_row("min_new_tokens", min_new_tokens, len(prompts), 0)
+  stops = tuple(tuple(seq) for seq in _check_ids(stop,
+                                                 model.config.vocab_size))
   pad_id = getattr(model.tokenizer, "pad_id", None) or 0
   prompt_BT, lengths_B = bucketing.pad_prompts(prompts, pad_id)
-  dcfg = decode_config(model, prompt_BT.shape[1], max_new_tokens, sampling,
-                       method)
-  check_context(model, lengths_B, max_new_tokens, dcfg.block)
+  dcfg = dataclasses.replace(
+      decode_config(model, prompt_BT.shape[1], int(budgets.max()), sampling,
+                    method), stop_sequences=stops)
+  check_context(model, lengths_B, budgets, dcfg.block)
   check_memory(model, len(prompts), dcfg.capacity, prompt_BT.shape[1],
                dcfg.block)
-  args = (model.params, prompt_BT, lengths_B, seed_key(seed),
-          np.int32(max_new_tokens))
+  rows = (prompt_BT, lengths_B, budgets)
+  kw = dict(drafter_params=method.params, min_new_tokens=least)
+  key = seed_key(seed)
   if model.mesh is not None:  # rows over the mesh's data axis
-    args = (model.params, *sharding.shard_batch(args[1:3], model.mesh),
-            *sharding.replicate(args[3:], model.mesh))
-    drafter_params = sharding.place_drafter_params(drafter_params, model.mesh)
-  return args, dcfg, drafter_params
+    rows = sharding.shard_batch(rows, model.mesh)
+    key = sharding.replicate(key, model.mesh)
+    kw = dict(drafter_params=sharding.place_drafter_params(
+        method.params, model.mesh),
+              min_new_tokens=sharding.shard_batch(least, model.mesh))
+  return (model.params, *rows[:2], key, rows[2]), kw, dcfg
 
 
 def _rows(state: engine.DecodeState, prompts, lengths_B):
@@ -284,13 +309,12 @@ def _rows(state: engine.DecodeState, prompts, lengths_B):
 _EXECUTABLES: dict = {}
 
 
-def _compiled(args, drafter_params, model: Model, dcfg: engine.DecodeConfig):
+def _compiled(args, kw, model: Model, dcfg: engine.DecodeConfig):
   """The compiled ``generate`` for these argument shapes (compiled once)."""
-  tree = (args, drafter_params)
+  tree = (args, kw)
   key = (model.target, dcfg, jax.tree_util.tree_structure(tree),
          tuple((x.shape, x.dtype) for x in jax.tree_util.tree_leaves(tree)))
   if key not in _EXECUTABLES:
     _EXECUTABLES[key] = engine.generate_jit.lower(
-        *args, drafter_params=drafter_params, target=model.target,
-        dcfg=dcfg).compile()
+        *args, **kw, target=model.target, dcfg=dcfg).compile()
   return _EXECUTABLES[key]

@@ -284,9 +284,11 @@ class Tokenizer:
     """The wrapped ``tokenizers.Tokenizer`` (e.g. to ``save`` it)."""
     return self._tok
 
-  def encode(self, text: str) -> list[int]:
-    """Raw text to ids; special-token strings in it become special ids."""
-    return self._tok.encode(text).ids
+  def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    """Raw text to ids; special-token strings in it become special ids.
+    ``add_special_tokens=False``: without the BOS (or other tokens) the
+    tokenizer puts around a text -- a stop string's ids."""
+    return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
   def decode(self, ids: Iterable[int], skip_special_tokens: bool = False
              ) -> str:
