@@ -118,8 +118,10 @@ def test_the_key_decides_a_sampled_run(tiny):
 
 
 def test_no_recompilation_within_bucket(tiny, monkeypatch):
-  """Invariant: prompts of different lengths in one bucket (and a different
-  max_new_tokens budget) reuse one compiled generate; a new bucket traces once."""
+  """Invariant: prompts of different lengths in one bucket, a different
+  max_new_tokens budget and new weights of the same shapes (a policy
+  update in an RL loop: they change the output) reuse one compiled
+  generate; a new bucket traces once."""
   cfg, params = tiny
   cfg = dataclasses.replace(cfg, name="no-retrace")  # a fresh jit cache key
   traces = []
@@ -129,6 +131,9 @@ def test_no_recompilation_within_bucket(tiny, monkeypatch):
   dcfg = engine.DecodeConfig(capacity=96)
   _run(params, cfg, [[1, 2, 3]], 5, dcfg)
   _run(params, cfg, [list(range(1, 20))], 9, dcfg)
+  _, updated = testing.tiny("llama_gqa_tied", seed=4)
+  assert (_run(updated, cfg, [list(range(1, 20))], 9, dcfg)[0]
+          != _run(params, cfg, [list(range(1, 20))], 9, dcfg)[0])
   assert len(traces) == 1
   _run(params, cfg, [[i % 30 + 1 for i in range(39)]], 5, dcfg)  # bucket 64
   assert len(traces) == 2
