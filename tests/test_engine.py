@@ -363,35 +363,51 @@ class _SiblingTree(DraftModelDrafter):
     return TreeProposal(tree=tree, state=prop.state)
 
 
+# Every drafter of tests/test_architectures.every_drafter, long: one compile
+# each at both temperatures.
+_EVERY = ["ngram_trie", "lookup_trie", "eagle3", "eagle3_tree",
+          "eagle3_static_2x2", "eagle3_tree+lookup", "eagle1", "medusa",
+          "medusa_static_2x2x1", "layerskip"]
+
+
 @pytest.mark.parametrize("sampling", [
     SamplingParams(), SamplingParams(0.8, top_k=20, top_p=0.9)],
     ids=["greedy", "sampled"])
 @pytest.mark.parametrize("method", ["ar", "chain", "trie", "draft_model",
-                                    "sibling_tree"])
+                                    "sibling_tree", *(
+                                        pytest.param(n, marks=pytest.mark.long)
+                                        for n in _EVERY)])
 def test_logprobs_are_the_targets_at_each_generated_token(tiny, method,
                                                           sampling):
   """Invariant: ``DecodeState.logprobs`` / ``raw_logprobs`` hold, at each
   generated token, its log-probability under the warped target
   distribution it follows (0 for greedy's argmax) and under the raw target
   (log-softmax), as one teacher-forced forward over the whole sequence
-  gives them (1e-4, f32), for AR, a chain, a trie, a model drafter and a
+  gives them (1e-5, f32), for AR, a chain, a trie, a model drafter and a
   tree whose accepted path is not its first nodes (a log-prob read at the
-  node's depth instead of the node fails); 0 at prompt positions and past
-  each row's tokens."""
+  node's depth instead of the node fails), and in the long stage every
+  drafter (retrieval trie, EAGLE-3 chain, dynamic and static trees and the
+  head + lookup union, EAGLE-1, Medusa chain and static tree, layer-skip);
+  0 at prompt positions and past each row's tokens."""
   cfg, params = tiny
-  self_draft = dict(drafter=DraftModelDrafter(Decoder(cfg)), num_draft=3)
-  kw = {"ar": {}, "chain": dict(drafter=NGramDrafter(), num_draft=3),
-        "trie": dict(drafter=NGramDrafter(num_paths=3), num_draft=3,
-                     tree_nodes=6),
-        "draft_model": self_draft,
-        "sibling_tree": dict(drafter=_SiblingTree(Decoder(cfg)),
-                             num_draft=3, tree_nodes=4)}[method]
+  if method in _EVERY:
+    from tests.test_architectures import every_drafter
+    (kw, dparams), = every_drafter(Decoder(cfg), params,
+                                   names=[method]).values()
+  else:
+    kw = {"ar": {}, "chain": dict(drafter=NGramDrafter(), num_draft=3),
+          "trie": dict(drafter=NGramDrafter(num_paths=3), num_draft=3,
+                       tree_nodes=6),
+          "draft_model": dict(drafter=DraftModelDrafter(Decoder(cfg)),
+                              num_draft=3),
+          "sibling_tree": dict(drafter=_SiblingTree(Decoder(cfg)),
+                               num_draft=3, tree_nodes=4)}[method]
+    dparams = params if kw.get("drafter") else None
   prompt_BT, lengths = bucketing.pad_prompts(PROMPTS)
   st = engine.generate_jit(
       params, prompt_BT, lengths, jax.random.key(1), np.int32(12),
       target=Decoder(cfg), dcfg=engine.DecodeConfig(
-          capacity=64, sampling=sampling, **kw),
-      drafter_params=params if kw.get("drafter") else None)
+          capacity=64, sampling=sampling, **kw), drafter_params=dparams)
   logits = decoder.forward(params, cfg, st.tokens, decoder.init_cache(
       cfg, len(PROMPTS), 64)).logits.astype(jnp.float32)
   want_raw = jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]),
@@ -405,7 +421,7 @@ def test_logprobs_are_the_targets_at_each_generated_token(tiny, method,
   for got, ref in ((st.logprobs, want), (st.raw_logprobs, want_raw)):
     got = np.asarray(got)
     np.testing.assert_allclose(got[:, 1:][new], np.asarray(ref)[new],
-                               atol=1e-4)
+                               atol=1e-5)
     assert (got[:, 1:][~new] == 0).all() and (got[:, 0] == 0).all()
   assert (np.asarray(st.raw_logprobs)[:, 1:][new] < 0).all()
   if sampling.greedy:
