@@ -323,6 +323,8 @@ def test_generate_json_contract(tmp_path):
     assert len(r["logprobs"]) == len(r["raw_logprobs"]) == r["new_tokens"]
     assert r["logprobs"] == [0.0] * r["new_tokens"]  # greedy's argmax
     assert all(x < 0 for x in r["raw_logprobs"])
+    assert r["num_spec_steps"] == r["target_forwards"]  # vLLM's schema too
+    assert r["acceptance_histogram"] == r["accepted_length_histogram"]
   assert [r["output_ids"] for r in rows] == [r["output_ids"] for r in outs[1]]
 
 

@@ -377,3 +377,32 @@ def test_runner_takes_per_row_budgets_minimums_and_stops():
                      "must be a non-empty tuple")):
     with pytest.raises(ValueError, match=re.escape(words)):
       runner.generate_ids(model, prompts, **kw)
+
+
+def test_rows_report_speculation_in_vllms_per_request_schema():
+  """Invariant: ``RowResult.spec_metrics`` has vLLM's per-request fields,
+  consistent with the row's own counts: steps = the histogram's total,
+  accepted drafts = its first moment = the per-position acceptances,
+  1 + accepted per step, accepted over drafted; an AR row speculates
+  nothing. (The target drafting for itself: every draft accepted.)"""
+  from specjax.core import runner
+  from specjax.drafters import DraftModelDrafter
+  model = testing.tiny_model()
+  prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5], [9, 1, 9, 1, 9, 1, 3]]
+  ar, spec = (runner.generate_ids(model, prompts, max_new_tokens=16,
+                                  method=m).rows
+              for m in (Method(), Method(DraftModelDrafter(model.target),
+                                         model.params, 3)))
+  for row in spec:
+    m = row.spec_metrics
+    hist = m["acceptance_histogram"]
+    assert m["num_spec_steps"] == sum(hist) == row.target_forwards > 0
+    assert (m["num_accepted_draft_tokens"]
+            == sum(j * n for j, n in enumerate(hist)) == sum(row.accepted_at))
+    assert m["mean_acceptance_length"] == pytest.approx(
+        1 + m["num_accepted_draft_tokens"] / m["num_spec_steps"])
+    assert m["draft_acceptance_rate"] == pytest.approx(
+        m["num_accepted_draft_tokens"] / m["num_draft_tokens"])
+  assert spec[0].spec_metrics["draft_acceptance_rate"] == 1.0
+  assert ar[0].spec_metrics["num_draft_tokens"] == 0
+  assert ar[0].spec_metrics["mean_acceptance_length"] == 1.0

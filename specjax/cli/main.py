@@ -426,6 +426,7 @@ def cmd_generate(args) -> int:
             target_forwards=row.target_forwards, tau=round(row.tau, 3),
             accepted_at=row.accepted_at, accepted_nodes=row.accepted_nodes,
             accepted_length_histogram=row.accepted_length_histogram,
+            **row.spec_metrics,
             temperature=args.temperature, top_k=args.top_k,
             top_p=args.top_p, min_p=args.min_p, seed=args.seed),
             ensure_ascii=False))

@@ -52,6 +52,21 @@ class RowResult:
     """Verify steps that accepted exactly j drafts, j = 0..K."""
     return accepted_length_histogram(self.accepted_at, self.target_forwards)
 
+  @property
+  def spec_metrics(self) -> dict:
+    """This row's speculation in vLLM's per-request schema: its verify
+    steps (``num_spec_steps``; an AR row's one-token forwards), drafted and
+    accepted tokens and their ratio, 1 + accepted drafts per step
+    (``mean_acceptance_length``), and how many steps accepted j drafts
+    (``acceptance_histogram``, j = 0..K)."""
+    steps, drafted = self.target_forwards, self.num_drafted
+    accepted = int(sum(self.accepted_at))
+    return dict(num_spec_steps=steps, num_draft_tokens=drafted,
+                num_accepted_draft_tokens=accepted,
+                draft_acceptance_rate=accepted / drafted if drafted else 0.0,
+                mean_acceptance_length=1 + accepted / steps if steps else 1.0,
+                acceptance_histogram=self.accepted_length_histogram)
+
 
 def accepted_length_histogram(accepted_at: Sequence[int],
                               forwards: int) -> list[int]:
