@@ -167,8 +167,8 @@ class DecodeState:
     min_new_tokens: ``int32[B]`` generated tokens before which a row can
       neither sample an EOS (its logits are masked, as transformers'
       ``min_new_tokens``) nor end on a stop sequence.
-    stop_reason: ``int32[B]``: RUNNING, STOP_EOS, STOP_BUDGET, STOP_CAPACITY,
-      STOP_NONFINITE or STOP_BAD_PROMPT.
+    stop_reason: ``int32[B]``: RUNNING, STOP_EOS, STOP_SEQUENCE,
+      STOP_BUDGET, STOP_CAPACITY, STOP_NONFINITE or STOP_BAD_PROMPT.
     cache: target KV cache, ``lengths == num_tokens - 1`` while running.
     drafter_state: the drafter's own state (e.g. its cache), or None.
     key: PRNG key for the next step.
