@@ -295,8 +295,8 @@ def _prepare(model, prompts, max_new_tokens, sampling, seed, method: Method,
   if model.mesh is not None:  # rows over the mesh's data axis
     rows = sharding.shard_batch(rows, model.mesh)
     key = sharding.replicate(key, model.mesh)
-    kw = dict(drafter_params=sharding.place_drafter_params(
-        method.params, model.mesh),
+    kw = dict(drafter_params=sharding.place_drafter_params(method.params,
+                                                           model.mesh),
               min_new_tokens=sharding.shard_batch(least, model.mesh))
   return (model.params, *rows[:2], key, rows[2]), kw, dcfg
 
