@@ -510,3 +510,41 @@ def test_min_new_tokens_masks_eos_as_transformers_does(tiny, method):
   unmasked, _ = _decode(params, cfg, method, SamplingParams(),
                         max_new=budgets, eos_ids=(eos,))
   assert len(unmasked[0]) == 2 and len(got[0]) > 4
+
+
+@pytest.mark.parametrize("method", METHODS_4)
+def test_a_rows_output_is_its_own_in_any_batch(tiny, method):
+  """Invariant: with a key per row (``runner.row_keys``: seed, prompt,
+  sample), a row's tokens and log-probs at T > 0 are the same alone and
+  inside batches of other sizes, compositions and orders, two samples of
+  one prompt included -- for AR, a chain, a trie and a sampled model
+  drafter."""
+  from specjax.core import runner
+  cfg, params = tiny
+  drafter = {"ar": {}, "chain": dict(drafter=NGramDrafter(), num_draft=3),
+             "trie": dict(drafter=NGramDrafter(num_paths=3), num_draft=3,
+                          tree_nodes=6),
+             "draft_model": dict(drafter=DraftModelDrafter(Decoder(cfg)),
+                                 num_draft=3)}[method]
+  dcfg = engine.DecodeConfig(capacity=64, sampling=SamplingParams(
+      0.9, top_p=0.95), **drafter)
+  prompt_of = [0, 1, 2, 3, 0, 1]  # rows 4, 5: prompts 0, 1's second sample
+  keys = runner.row_keys(7, prompt_of, [0, 0, 0, 0, 1, 1])
+
+  def run(order):
+    prompt_BT, lengths = bucketing.pad_prompts(
+        [PROMPTS[prompt_of[r]] for r in order])
+    st = engine.generate_jit(params, prompt_BT, lengths,
+                             keys[jnp.asarray(order)], np.int32(10),
+                             target=Decoder(cfg), dcfg=dcfg,
+                             drafter_params=params if drafter else None)
+    return {r: (st.tokens[b, lengths[b]:st.num_tokens[b]].tolist(),
+                np.asarray(st.logprobs[b, lengths[b]:st.num_tokens[b]]))
+            for b, r in enumerate(order)}
+
+  together = run(range(6))
+  assert together[0][0] != together[4][0]  # two samples of one prompt
+  for order in ([3], [5, 0], [2, 4, 1], [5, 4, 3, 2, 1, 0]):
+    for r, (tokens, logprobs) in run(order).items():
+      assert tokens == together[r][0], (order, r)
+      np.testing.assert_allclose(logprobs, together[r][1], atol=1e-5)

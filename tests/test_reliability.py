@@ -406,3 +406,23 @@ def test_rows_report_speculation_in_vllms_per_request_schema():
   assert spec[0].spec_metrics["draft_acceptance_rate"] == 1.0
   assert ar[0].spec_metrics["num_draft_tokens"] == 0
   assert ar[0].spec_metrics["mean_acceptance_length"] == 1.0
+
+
+def test_groups_of_samples_are_prompt_major_and_each_rows_own():
+  """Invariant: ``num_samples`` N gives N rows per prompt, prompt-major,
+  each naming its prompt and sample; a row's output depends on (seed,
+  prompt index, sample index) alone: the same rows come back when one
+  prompt's group runs by itself (``first_prompt``), and samples differ."""
+  from specjax.core import runner
+  from specjax.core.sampling import SamplingParams
+  model = testing.tiny_model()
+  prompts = [[5, 17, 3], [9, 1, 30, 22], [33, 4]]
+  kw = dict(max_new_tokens=8, sampling=SamplingParams(0.9), seed=3,
+            num_samples=2)
+  rows = runner.generate_ids(model, prompts, **kw).rows
+  assert [(r.prompt_index, r.sample_index) for r in rows] == [
+      (0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+  assert [r.prompt_ids for r in rows] == [p for p in prompts for _ in "ab"]
+  alone = runner.generate_ids(model, prompts[1:2], first_prompt=1, **kw).rows
+  assert [r.output_ids for r in alone] == [r.output_ids for r in rows[2:4]]
+  assert rows[2].output_ids != rows[3].output_ids

@@ -60,6 +60,10 @@ def _build_parser() -> argparse.ArgumentParser:
   g.add_argument("--min-new-tokens", type=int, default=0,
                  help="tokens generated before an EOS or a --stop can end a "
                  "reply (its EOS is masked until then)")
+  g.add_argument("--num-samples", type=int, default=1, metavar="N",
+                 help="N completions per prompt, each from its own key "
+                 "(seed, prompt, sample): a group for RL; with --json, "
+                 "each row says its sample")
   g.add_argument("--stop", action="append", default=[], metavar="TEXT",
                  help="end a reply where the tokens of TEXT are generated "
                  "(kept in it, like an EOS); repeatable")
@@ -391,6 +395,13 @@ def cmd_generate(args) -> int:
 
   if args.stream and args.json:
     raise UsageError("--stream prints text; it does not go with --json")
+  if args.num_samples < 1:
+    raise UsageError(f"--num-samples must be >= 1, got {args.num_samples}")
+  if args.num_samples > 1 and args.stream:
+    raise UsageError("--stream prints one reply at a time; it does not go "
+                     "with --num-samples")
+  if args.num_samples > 1:
+    args.stream = False
   if args.stream or (args.stream is None and not args.json
                      and sys.stdout.isatty()):
     return _stream_generate(args, model, spec, prompts, ids, sampling,
@@ -403,16 +414,18 @@ def cmd_generate(args) -> int:
   for start in bar:
     chunk = ids[start:start + args.batch_size]
     res = runner.generate_ids(model, chunk, max_new_tokens=args.max_new_tokens,
-                              sampling=sampling, seed=args.seed + start,
-                              method=method, **ends)
+                              sampling=sampling, seed=args.seed,
+                              first_prompt=start, method=method,
+                              num_samples=args.num_samples, **ends)
     all_rows += res.rows
     wall, new_tokens = wall + res.wall_s, new_tokens + res.new_tokens
-    for j, row in enumerate(res.rows):
+    for row in res.rows:
       text = model.tokenizer.decode(row.output_ids, skip_special_tokens=True)
       if args.json:
         n = len(row.output_ids)
         print(json.dumps(dict(
-            prompt=prompts[start + j], prompt_ids=row.prompt_ids,
+            prompt=prompts[row.prompt_index], sample=row.sample_index,
+            prompt_ids=row.prompt_ids,
             output_ids=row.output_ids, text=text, new_tokens=n,
             logprobs=[round(x, 6) for x in row.logprobs],
             raw_logprobs=[round(x, 6) for x in row.raw_logprobs],
@@ -431,8 +444,11 @@ def cmd_generate(args) -> int:
             top_p=args.top_p, min_p=args.min_p, seed=args.seed),
             ensure_ascii=False))
       else:
-        if len(prompts) > 1:
-          print(f"### {start + j + 1}: {prompts[start + j]}")
+        if len(res.rows) > 1 or len(prompts) > 1:
+          sample = (f" (sample {row.sample_index + 1})"
+                    if args.num_samples > 1 else "")
+          print(f"### {row.prompt_index + 1}{sample}: "
+                f"{prompts[row.prompt_index]}")
         print(text.strip() + "\n")
     sys.stdout.flush()
   if spec.k and not args.json:
@@ -444,10 +460,11 @@ def _nonfinite_status(rows) -> int:
   """0, or EXIT_NONFINITE after one stderr line per row the model's
   non-finite logits stopped (its text ends there; nothing was sampled from
   them)."""
-  for i, row in enumerate(rows):
+  for row in rows:
     if row.stop_reason == "nonfinite":
-      print(f"specjax: error: prompt {i + 1}: the model's logits are not "
-            f"finite (NaN or inf) after {len(row.output_ids)} new tokens; "
+      print(f"specjax: error: prompt {row.prompt_index + 1}: the model's "
+            f"logits are not finite (NaN or inf) after "
+            f"{len(row.output_ids)} new tokens; "
             "the output stops there", file=sys.stderr)
   return EXIT_NONFINITE if any(r.stop_reason == "nonfinite"
                                for r in rows) else 0
@@ -479,7 +496,8 @@ def _stream_generate(args, model, spec, prompts, ids, sampling, method,
                          sys.stdout.flush())
     res = runner.stream_ids(model, [prompt_ids], write,
                             max_new_tokens=args.max_new_tokens,
-                            sampling=sampling, seed=args.seed + i,
+                            sampling=sampling, seed=args.seed,
+                            first_prompt=i,
                             method=method, **ends)
     print(detok.flush() + "\n", flush=True)
     rows += res.rows

@@ -46,7 +46,8 @@ from flax import struct
 from specjax.core import sharding, tree as trees
 from specjax.core.cache import KVCache
 from specjax.core.rows import at_rows, set_at_rows
-from specjax.core.sampling import SamplingParams, draw, require_int, warp
+from specjax.core.sampling import (SamplingParams, draw, require_int, split,
+                                   warp)
 from specjax.core.verify import verify_chain
 from specjax.drafters.base import Context, Drafter, TreeDrafter
 from specjax.models.target import ForwardOutput, Target, missing_members
@@ -171,7 +172,9 @@ class DecodeState:
       STOP_BUDGET, STOP_CAPACITY, STOP_NONFINITE or STOP_BAD_PROMPT.
     cache: target KV cache, ``lengths == num_tokens - 1`` while running.
     drafter_state: the drafter's own state (e.g. its cache), or None.
-    key: PRNG key for the next step.
+    key: PRNG key for the next step: one for the batch, or one per row
+      (``key[B]``: then a row's draws come from its own key alone, so its
+      output does not depend on the other rows).
     num_steps: ``int32[]`` target forwards after the prefill (batch-wide).
     num_wide: ``int32[]`` of those, the ones over all K + 1 tokens (the rest
       scored the newest token alone: no live row had drafted).
@@ -373,6 +376,7 @@ def prefill(params, prompt_BT: jax.Array,
     prompt_BT: ``int32[B, Tp]`` prompts padded on the right (any pad id).
     prompt_lengths_B: true lengths, each in ``[1, Tp]`` (a row outside
       it stops at once as ``STOP_BAD_PROMPT``).
+    key: one PRNG key, or one per row (``key[B]``, ``DecodeState.key``).
     max_new_tokens: budget of generated tokens, at least 1 (the prefill
       always samples one): one for all rows or ``int32[B]``, each row's (an
       array: changing it does not recompile).
@@ -425,7 +429,7 @@ def prefill(params, prompt_BT: jax.Array,
       accepted_nodes=jnp.zeros((B, dcfg.tree_nodes), jnp.int32))
   # The first token: sampled from the prompt's last logits and emitted as
   # a block of one (EOS, stop sequences and the budget as in a step).
-  key, sub = jax.random.split(key)
+  key, sub = split(key)
   ok_B = _finite(out.logits)[:, 0] & ~bad_B
   logits_B1V = _usable_logits(out.logits, ok_B[:, None])
   q_B1V = warp(_mask_eos(logits_B1V, zeros_B[:, None], state.min_new_tokens,
@@ -680,7 +684,7 @@ def step(params, state: DecodeState, *,
   token's slot (a chain's path is its block's first positions).
   """
   live_B = ~state.done
-  key, k_draft, k_verify = jax.random.split(state.key, 3)
+  key, k_draft, k_verify = split(state.key, 3)
   draft = _draft(drafter_params, state, dcfg, k_draft)
   out, wide = _score(params, state.cache, draft, live_B, target=target,
                      dcfg=dcfg)

@@ -13,6 +13,7 @@ import time
 from typing import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from specjax.core import bucketing, engine, sharding
@@ -25,7 +26,8 @@ from specjax.models.registry import Model
 class RowResult:
   """One prompt's generation (new tokens only, EOS included if it stopped there).
 
-  ``target_forwards`` counts verify steps after the prefill; ``accepted_at[i]``
+  ``prompt_index`` and ``sample_index`` name the row (its key's, with the
+  seed's). ``target_forwards`` counts verify steps after the prefill; ``accepted_at[i]``
   how often draft position i was accepted (empty for AR); ``accepted_nodes[m]``
   how often tree node m + 1 was (empty for chains). ``logprobs[j]`` is
   ``output_ids[j]``'s log-probability under the distribution it was
@@ -35,6 +37,8 @@ class RowResult:
   prompt_ids: list[int]
   output_ids: list[int]
   stop_reason: str
+  prompt_index: int = 0
+  sample_index: int = 0
   logprobs: list[float] = dataclasses.field(default_factory=list)
   raw_logprobs: list[float] = dataclasses.field(default_factory=list)
   target_forwards: int = 0
@@ -205,27 +209,34 @@ def generate_ids(model: Model, prompts: Sequence[Sequence[int]], *,
                  max_new_tokens: int | Sequence[int],
                  sampling: SamplingParams = SamplingParams(), seed: int = 0,
                  method: Method = AR, min_new_tokens: int | Sequence[int] = 0,
-                 stop: Sequence[Sequence[int]] = ()) -> BatchResult:
+                 stop: Sequence[Sequence[int]] = (), num_samples: int = 1,
+                 first_prompt: int = 0) -> BatchResult:
   """Generates for a batch of token-id prompts in one compiled call, with
   ``method`` (``methods.build``; default AR).
 
-  ``max_new_tokens`` and ``min_new_tokens`` are one for all prompts or one
-  per prompt (``DecodeState``'s); ``stop`` holds token sequences that end a
-  row where one is generated (``DecodeConfig.stop_sequences``).
+  ``num_samples`` completions per prompt (rows prompt-major: ``rows[i * N
+  + s]`` is prompt i's sample s). Each row draws from its own key,
+  ``fold_in(fold_in(seed_key(seed), first_prompt + i), s)``, so its output
+  depends on the seed, its prompt index and its sample index, not on the
+  other rows. ``max_new_tokens`` and ``min_new_tokens`` are one for all
+  prompts or one per prompt (``DecodeState``'s); ``stop`` holds token
+  sequences that end a row where one is generated
+  (``DecodeConfig.stop_sequences``).
 
   Each (batch, prompt bucket, capacity, config) shape is compiled once per
   process, ahead of the timed call, so ``wall_s`` never includes compilation.
   A model loaded onto a mesh (``Model.mesh``) decodes over all of it: the
   rows split over its ``data`` axis, drafter parameters replicated.
   """
-  args, kw, dcfg = _prepare(model, prompts, max_new_tokens, sampling, seed,
-                            method, min_new_tokens, stop)
+  rows, args, kw, dcfg = _prepare(
+      model, prompts, max_new_tokens, sampling, seed, method, min_new_tokens,
+      stop, num_samples, first_prompt)
   start = time.perf_counter()
   run = _compiled(args, kw, model, dcfg)
   compile_s = time.perf_counter() - start
   start = time.perf_counter()
   state = run(*args, **kw)
-  rows, steps, wide = _rows(state, prompts, args[2])
+  rows, steps, wide = _rows(state, rows, args[2])
   return BatchResult(rows=rows, wall_s=time.perf_counter() - start,
                      compile_s=compile_s, num_steps=steps,
                      num_wide_steps=wide)
@@ -236,22 +247,24 @@ def stream_ids(model: Model, prompts: Sequence[Sequence[int]],
                max_new_tokens: int | Sequence[int],
                sampling: SamplingParams = SamplingParams(), seed: int = 0,
                method: Method = AR, min_new_tokens: int | Sequence[int] = 0,
-               stop: Sequence[Sequence[int]] = ()) -> BatchResult:
+               stop: Sequence[Sequence[int]] = (), num_samples: int = 1,
+               first_prompt: int = 0) -> BatchResult:
   """``generate_ids`` one step at a time (``engine.stream``: the same jitted
   step): after the prefill and after every step, ``on_tokens`` gets each
   row's newly committed token ids. The same tokens as ``generate_ids``;
   ``wall_s`` includes compiling the prefill and step (``compile_s`` 0)."""
-  args, kw, dcfg = _prepare(model, prompts, max_new_tokens, sampling, seed,
-                            method, min_new_tokens, stop)
+  rows, args, kw, dcfg = _prepare(
+      model, prompts, max_new_tokens, sampling, seed, method, min_new_tokens,
+      stop, num_samples, first_prompt)
   lengths = sharding.to_host(args[2])
   shown = lengths.copy()
   start = time.perf_counter()
   for state in engine.stream(*args, target=model.target, dcfg=dcfg, **kw):
     tokens, num = sharding.to_host((state.tokens, state.num_tokens))
     on_tokens([tokens[b, shown[b]:num[b]].tolist()
-               for b in range(len(prompts))])
+               for b in range(len(rows))])
     shown = num
-  rows, steps, wide = _rows(state, prompts, lengths)
+  rows, steps, wide = _rows(state, rows, lengths)
   return BatchResult(rows=rows, wall_s=time.perf_counter() - start,
                      compile_s=0.0, num_steps=steps, num_wide_steps=wide)
 
@@ -269,16 +282,37 @@ def _per_row(name: str, value, rows: int, least: int) -> np.ndarray:
   return np.asarray(values, np.int32)
 
 
+def row_keys(seed: int, prompt_index: Sequence[int],
+             sample_index: Sequence[int]) -> jax.Array:
+  """``key[B]``: row b's, ``fold_in(fold_in(seed_key(seed),
+  prompt_index[b]), sample_index[b])``."""
+  fold = lambda p, s: jax.random.fold_in(
+      jax.random.fold_in(seed_key(seed), p), s)
+  return jax.vmap(fold)(jnp.asarray(prompt_index, jnp.uint32),
+                        jnp.asarray(sample_index, jnp.uint32))
+
+
 def _prepare(model, prompts, max_new_tokens, sampling, seed, method: Method,
-             min_new_tokens=0, stop=()):
-  """Checked, padded, placed arguments of ``engine.generate``: ``(args,
-  keyword args, dcfg)``."""
+             min_new_tokens=0, stop=(), num_samples=1, first_prompt=0):
+  """Checked, padded, placed arguments of ``engine.generate``: ``(rows,
+  args, keyword args, dcfg)``, ``rows`` the ``(prompt ids, prompt index,
+  sample index)`` of each row."""
   if not isinstance(method, Method):
     raise TypeError(f"method must be a specjax Method (methods.build), got "
                     f"{type(method).__name__}")
+  for name, value, least in (("num_samples", num_samples, 1),
+                             ("first_prompt", first_prompt, 0)):
+    require_int(name, value)
+    if value < least:
+      raise ValueError(f"{name} must be >= {least}, got {value}")
   prompts = _check_ids(prompts, model.config.vocab_size)
-  budgets = _per_row("max_new_tokens", max_new_tokens, len(prompts), 1)
-  least = _per_row("min_new_tokens", min_new_tokens, len(prompts), 0)
+  budgets = np.repeat(_per_row("max_new_tokens", max_new_tokens,
+                               len(prompts), 1), num_samples)
+  least = np.repeat(_per_row("min_new_tokens", min_new_tokens, len(prompts),
+                             0), num_samples)
+  rows = [(p, first_prompt + i, s) for i, p in enumerate(prompts)
+          for s in range(num_samples)]
+  prompts = [p for p, _, _ in rows]
   stops = tuple(tuple(seq) for seq in _check_ids(stop,
                                                  model.config.vocab_size))
   pad_id = getattr(model.tokenizer, "pad_id", None) or 0
@@ -289,20 +323,21 @@ def _prepare(model, prompts, max_new_tokens, sampling, seed, method: Method,
   check_context(model, lengths_B, budgets, dcfg.block)
   check_memory(model, len(prompts), dcfg.capacity, prompt_BT.shape[1],
                dcfg.block)
-  rows = (prompt_BT, lengths_B, budgets)
+  by_row = (prompt_BT, lengths_B, budgets)
   kw = dict(drafter_params=method.params, min_new_tokens=least)
-  key = seed_key(seed)
+  key = row_keys(seed, [i for _, i, _ in rows], [s for _, _, s in rows])
   if model.mesh is not None:  # rows over the mesh's data axis
-    rows = sharding.shard_batch(rows, model.mesh)
+    by_row = sharding.shard_batch(by_row, model.mesh)
     key = sharding.replicate(key, model.mesh)
     kw = dict(drafter_params=sharding.place_drafter_params(method.params,
                                                            model.mesh),
               min_new_tokens=sharding.shard_batch(least, model.mesh))
-  return (model.params, *rows[:2], key, rows[2]), kw, dcfg
+  return rows, (model.params, *by_row[:2], key, by_row[2]), kw, dcfg
 
 
-def _rows(state: engine.DecodeState, prompts, lengths_B):
-  """``(rows, num_steps, num_wide_steps)`` of a finished state."""
+def _rows(state: engine.DecodeState, rows, lengths_B):
+  """``(rows, num_steps, num_wide_steps)`` of a finished state, ``rows``
+  each row's ``(prompt ids, prompt index, sample index)``."""
   tokens, lp, raw, num, reasons, steps, wide, fwd, drafted, acc, nodes = (
       sharding.to_host((state.tokens, state.logprobs, state.raw_logprobs,
                         state.num_tokens, state.stop_reason,
@@ -313,11 +348,12 @@ def _rows(state: engine.DecodeState, prompts, lengths_B):
   new = lambda a, b: a[b, lengths_B[b]:num[b]].tolist()
   rows = [RowResult(prompt_ids=list(map(int, p)), output_ids=new(tokens, b),
                     stop_reason=engine.STOP_NAMES[int(reasons[b])],
+                    prompt_index=i, sample_index=s,
                     logprobs=new(lp, b), raw_logprobs=new(raw, b),
                     target_forwards=int(fwd[b]), num_drafted=int(drafted[b]),
                     accepted_at=acc[b].tolist(),
                     accepted_nodes=nodes[b].tolist())
-          for b, p in enumerate(prompts)]
+          for b, (p, i, s) in enumerate(rows)]
   return rows, int(steps), int(wide)
 
 

@@ -114,10 +114,30 @@ def seed_key(seed: int) -> jax.Array:
   return jax.random.fold_in(key, seed >> 32) if seed >> 32 else key
 
 
+def split(key: jax.Array, num: int = 2) -> jax.Array:
+  """``jax.random.split`` of one key (``[num]``) or of a key per row
+  (``key[B]`` -> ``[num, B]``, row b's from key[b] alone): index the first
+  axis either way."""
+  if jnp.ndim(key) == 0:
+    return jax.random.split(key, num)
+  return jax.vmap(lambda k: jax.random.split(k, num), out_axes=1)(key)
+
+
+def uniform(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """U[0, 1) draws of ``shape``: from one key, or row b's (the first axis)
+  from ``key[b]`` alone."""
+  if jnp.ndim(key) == 0:
+    return jax.random.uniform(key, shape)
+  return jax.vmap(lambda k: jax.random.uniform(k, shape[1:]))(key)
+
+
 def sample(probs_XV: jax.Array, key: jax.Array) -> jax.Array:
-  """One token per leading index from probabilities (zeros are never drawn)."""
-  return jax.random.categorical(key, jnp.log(probs_XV), axis=-1).astype(
-      jnp.int32)
+  """One token per leading index from probabilities (zeros are never
+  drawn); with a key per row (``key[B]``), row b's from ``key[b]`` alone."""
+  pick = lambda p, k: jax.random.categorical(k, jnp.log(p), axis=-1)
+  if jnp.ndim(key) == 0:
+    return pick(probs_XV, key).astype(jnp.int32)
+  return jax.vmap(pick)(probs_XV, key).astype(jnp.int32)
 
 
 def draw(probs_XV: jax.Array, sp: SamplingParams,

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.core.rows import at_rows
-from specjax.core.sampling import sample
+from specjax.core.sampling import sample, split, uniform
 
 
 @struct.dataclass
@@ -79,7 +79,8 @@ def verify_chain(draft_BK: jax.Array, draft_probs_BKV: Optional[jax.Array],
     target_probs_BK1V: ``[B, K + 1, V]`` warped target distributions; position
       i is the target's distribution for draft i, position K the bonus.
     num_draft_B: ``int32[B]`` drafts per row, each in ``[0, K]``.
-    key: PRNG key (split internally for acceptance and correction draws).
+    key: PRNG key, or one per row (``key[B]``: row b's draws from key[b]
+      alone); split internally for acceptance and correction draws.
     greedy: temperature-0 rule: accept iff the draft is the target's argmax,
       correct/bonus with the argmax. No randomness is used.
 
@@ -93,7 +94,7 @@ def verify_chain(draft_BK: jax.Array, draft_probs_BKV: Optional[jax.Array],
   q_draft_BK = jnp.take_along_axis(q_drafts_BKV, draft_BK[..., None],
                                    -1)[..., 0]
   valid_BK = jnp.arange(K)[None, :] < num_draft_B[:, None]
-  key_accept, key_fix = jax.random.split(key)
+  key_accept, key_fix = split(key)
 
   if greedy:
     accept_BK = draft_BK == jnp.argmax(q_drafts_BKV, axis=-1)
@@ -103,7 +104,7 @@ def verify_chain(draft_BK: jax.Array, draft_probs_BKV: Optional[jax.Array],
     else:
       p_draft_BK = jnp.take_along_axis(
           draft_probs_BKV.astype(jnp.float32), draft_BK[..., None], -1)[..., 0]
-    accept_BK = _accept(jax.random.uniform(key_accept, (B, K)), p_draft_BK,
+    accept_BK = _accept(uniform(key_accept, (B, K)), p_draft_BK,
                         q_draft_BK)
   # Length of the accepted prefix among the row's valid drafts.
   num_acc_B = jnp.sum(jnp.cumprod(accept_BK & valid_BK, axis=1), axis=1)

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from specjax.core.sampling import SamplingParams, draw, warp
+from specjax.core.sampling import SamplingParams, draw, split, warp
 
 
 def keep_drafting(logits_BV, probs_BV, tok_B, min_confidence):
@@ -51,7 +51,7 @@ def draft_chain(first_logits_BV: jax.Array,
   """
   B, V = first_logits_BV.shape
   K = num_draft
-  keys = jax.random.split(key, K)
+  keys = split(key, K)
 
   def emit(i, logits_BV, record):
     """Draws draft i and records it for the rows still drafting."""
