@@ -427,9 +427,8 @@ def test_static_trees_match_dynamic_and_chain_drafts(tmp_path, variant):
                              tree_nodes=4)
   st = engine.prefill(tparams, prompt_BT, lengths, jax.random.key(0), 8,
                       target=Decoder(tcfg), dcfg=dcfg, drafter_params=dparams)
-  state, stable, a = drafter._start(dparams, st.drafter_state, st.tokens,
-                                    st.num_tokens, 4)
-  root = st.tokens[jnp.arange(2), st.num_tokens - 1]
+  state, stable, a = drafter._start(dparams, st.drafter_state, st.context, 4)
+  root = st.context.newest()
   spine_tree, static_state = drafter._expand_static(
       dparams, state, stable, a, root, tree.Shape(drafter.tree_shape))
   seq, feat = state.with_lengths(stable), a

@@ -213,9 +213,9 @@ def test_a_misaligned_feature_path_falls_below_the_floors(
   import jax.numpy as jnp
   from specjax.drafters.eagle import EagleDrafter
   commit = EagleDrafter.commit
-  monkeypatch.setattr(EagleDrafter, "commit", lambda self, params, state, t,
-                      n, features=None: commit(self, params, state, t, n,
-                                               jnp.roll(features, 1, 1)))
+  monkeypatch.setattr(EagleDrafter, "commit", lambda self, params, state, ctx,
+                      features=None: commit(self, params, state, ctx,
+                                            jnp.roll(features, 1, 1)))
   monkeypatch.setattr(runner, "_EXECUTABLES", {})
   jax.clear_caches()
   try:
