@@ -34,14 +34,16 @@ def pieces(model, dcfg, dparams, state):
                                                    dcfg=dcfg))
   fo, _ = score(model.params, state.cache, draft, live_B)
   out["verify_forward"] = (score, (model.params, state.cache, draft, live_B))
-  verify = jax.jit(lambda d, lg, l, k: engine._verify(d, lg, l, k, dcfg))
-  res, path, _ = verify(draft, fo.logits, live_B, key)
-  out["verify"] = (verify, (draft, fo.logits, live_B, key))
+  verify = jax.jit(lambda s, d, lg, l, k: engine._verify(s, d, lg, l, k,
+                                                          dcfg))
+  res, path, logprobs, _ = verify(state, draft, fo.logits, live_B, key)
+  out["verify"] = (verify, (state, draft, fo.logits, live_B, key))
   write = jax.jit(lambda c, kv, p: c.write(engine._on_path(kv, p),
                                            c.new_slots(dcfg.k + 1)))
   out["write_cache"] = (write, (state.cache, fo.new_kv, path))
-  emit = jax.jit(lambda s, t, n, l: engine._emit(s, t, n, l, dcfg))
-  out["emit"] = (emit, (state, res.tokens, res.num_emitted, live_B))
+  emit = jax.jit(lambda s, t, n, l, lp: engine._emit(s, t, n, l, dcfg, lp))
+  out["emit"] = (emit, (state, res.tokens, res.num_emitted, live_B,
+                        logprobs))
   step = jax.jit(functools.partial(engine.step, target=target, dcfg=dcfg))
   out["whole_step"] = (lambda p, s, d: step(p, s, drafter_params=d),
                        (model.params, state, dparams))

@@ -400,10 +400,8 @@ def cmd_generate(args) -> int:
   if args.num_samples > 1 and args.stream:
     raise UsageError("--stream prints one reply at a time; it does not go "
                      "with --num-samples")
-  if args.num_samples > 1:
-    args.stream = False
   if args.stream or (args.stream is None and not args.json
-                     and sys.stdout.isatty()):
+                     and args.num_samples == 1 and sys.stdout.isatty()):
     return _stream_generate(args, model, spec, prompts, ids, sampling,
                             method, ends)
   from tqdm import tqdm

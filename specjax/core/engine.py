@@ -615,8 +615,8 @@ def _on_path(x, path_BK1: Optional[jax.Array]):
 
 
 def _emit(state: DecodeState, tokens_BT: jax.Array, num_emitted_B: jax.Array,
-          live_B: jax.Array, dcfg: DecodeConfig, logprobs=None):
-  """Writes each live row's verified tokens (and their ``logprobs``, a
+          live_B: jax.Array, dcfg: DecodeConfig, logprobs):
+  """Writes each live row's verified tokens and their ``logprobs`` (the
   pair ``_token_logprobs`` returns) at its own offset, cut after an EOS and
   after a stop sequence and at the budget: ``(state, n, hit_eos,
   hit_stop)``, the state's tokens and log-probs written, with ``n[b]`` the
@@ -638,10 +638,9 @@ def _emit(state: DecodeState, tokens_BT: jax.Array, num_emitted_B: jax.Array,
   slots_BT = jnp.where(idx_T < n_B[:, None], state.num_tokens[:, None] + idx_T,
                        S)
   write = lambda buf, values: set_at_rows(buf, slots_BT, values, mode="drop")
-  state = state.replace(tokens=write(state.tokens, tokens_BT))
-  if logprobs is not None:
-    state = state.replace(logprobs=write(state.logprobs, logprobs[0]),
-                          raw_logprobs=write(state.raw_logprobs, logprobs[1]))
+  state = state.replace(tokens=write(state.tokens, tokens_BT),
+                        logprobs=write(state.logprobs, logprobs[0]),
+                        raw_logprobs=write(state.raw_logprobs, logprobs[1]))
   kept_BT = idx_T < n_B[:, None]
   return (state, n_B, jnp.any(eos_BT & kept_BT, axis=1),
           jnp.any(stop_BT & kept_BT, axis=1))

@@ -74,20 +74,21 @@ _TABLES = frozenset({"ngram", "retrieval", "ngram+retrieval"})
 _READERS = {
     "num_draft": frozenset(METHODS) - {"ar"},
     "tree_nodes": _TABLES | _HEADS,
-    "tree_width": {"ngram", "ngram+retrieval"} | _HEADS,  # heads: dynamic
-    "tree_shape": _HEADS,                                  # or lookup trees
+    "tree_width": frozenset({"ngram", "ngram+retrieval"}) | _HEADS,
+    "tree_shape": _HEADS,
     "lookup_nodes": _HEADS,
     "layers": frozenset({"layerskip"}),
     "min_confidence": frozenset({"draft", "layerskip"}) | _HEADS,
     "draft_model": frozenset({"draft"}),
     "head": _HEADS,
-    "datastore_conversations": {"retrieval", "ngram+retrieval"} | _HEADS,
+    "datastore_conversations": frozenset({"retrieval", "ngram+retrieval"})
+                               | _HEADS,
 }
 
 
 def readers(field: str) -> frozenset:
   """The methods that read the ``MethodSpec`` field ``field``."""
-  return frozenset(_READERS[field])
+  return _READERS[field]
 
 
 def knobs_of(name: str) -> list[str]:
