@@ -347,6 +347,9 @@ def test_bad_api_arguments_are_typed_errors(tiny):
     kw = {"prompts": [[1, 2, 3]], "max_new_tokens": 2, **kw}
     with pytest.raises(error, match=re.escape(words)):
       runner.generate_ids(model, **kw)
+  with pytest.raises(ValueError, match="need a drafter; without one the "
+                     "method is AR"):
+    Method(num_draft=3)  # K without a drafter: refused, not decoded as AR
   rows = runner.generate_ids(model, np.array([[1, 2, 3], [1, 2, 3]]),
                              max_new_tokens=2).rows
   assert rows[0].output_ids == rows[1].output_ids and len(rows) == 2
