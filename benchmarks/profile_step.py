@@ -27,17 +27,19 @@ def pieces(model, dcfg, dparams, state):
   live_B = ~state.done
   key = jax.random.key(1)
   out = {}
-  draft_fn = jax.jit(lambda p, s, k: engine._draft(p, s, dcfg, k))
-  draft = draft_fn(dparams, state, key)
-  out["draft"] = (draft_fn, (dparams, state, key))
+  sampler = state.sampler(dcfg, model.config.vocab_size)
+  draft_fn = jax.jit(lambda p, s, sp, k: engine._draft(p, s, dcfg, sp, k))
+  draft = draft_fn(dparams, state, sampler, key)
+  out["draft"] = (draft_fn, (dparams, state, sampler, key))
   score = jax.jit(lambda p, c, d, l: engine._score(p, c, d, l, target=target,
                                                    dcfg=dcfg))
   fo, _ = score(model.params, state.cache, draft, live_B)
   out["verify_forward"] = (score, (model.params, state.cache, draft, live_B))
-  verify = jax.jit(lambda s, d, lg, l, k: engine._verify(s, d, lg, l, k,
-                                                          dcfg))
-  res, path, logprobs, _ = verify(state, draft, fo.logits, live_B, key)
-  out["verify"] = (verify, (state, draft, fo.logits, live_B, key))
+  verify = jax.jit(lambda s, d, lg, l, sp, k: engine._verify(
+      s, d, lg, l, sp, k, dcfg))
+  res, path, logprobs, _ = verify(state, draft, fo.logits, live_B, sampler,
+                                  key)
+  out["verify"] = (verify, (state, draft, fo.logits, live_B, sampler, key))
   write = jax.jit(lambda c, kv, p: c.write(engine._on_path(kv, p),
                                            c.new_slots(dcfg.k + 1)))
   out["write_cache"] = (write, (state.cache, fo.new_kv, path))

@@ -17,7 +17,8 @@ from specjax.core.engine import (DecodeConfig, DecodeState, generate,
                                  generate_jit, prefill, prefill_jit, step,
                                  step_jit, stream)
 from specjax.core.runner import BatchResult, RowResult, generate_ids
-from specjax.core.sampling import SamplingParams, sample_logits, warp
+from specjax.core.sampling import (RowSampling, SamplingParams, sample_logits,
+                                   warp)
 from specjax.core.sharding import make_mesh, on_mesh, shard_params
 from specjax.core.tree import Tree, TreeResult, verify_tree
 from specjax.core.verify import ChainResult, verify_chain
@@ -28,7 +29,7 @@ from specjax.drafters import (AR, Context, Datastore, DraftModelDrafter,
 from specjax.drafters.methods import MethodSpec
 from specjax.drafters.methods import build as build_method
 from specjax.models.config import ModelConfig, RopeScaling
-from specjax.models.decoder import Decoder
+from specjax.models.decoder import Decoder, pack_params
 from specjax.models.registry import Model, load_model
 from specjax.models.target import ForwardOutput, Target
 from specjax.models.tokenizer import StreamDecoder, Tokenizer
@@ -41,10 +42,11 @@ __all__ = [
     "ForwardOutput", "KVCache", "LayerSkipDrafter", "Method", "MethodSpec",
     "NGramDrafter", "Proposal",
     "RetrievalDrafter", "Model", "ModelConfig", "RopeScaling", "RowResult",
-    "SamplingParams", "StreamDecoder", "Tokenizer", "bucket_length",
+    "RowSampling", "SamplingParams", "StreamDecoder", "Tokenizer", "bucket_length",
     "build_datastore", "build_method", "capacity_for", "generate",
     "generate_ids", "generate_jit",
-    "load_model", "make_mesh", "on_mesh", "pad_prompts", "prefill",
+    "load_model", "make_mesh", "on_mesh", "pack_params", "pad_prompts",
+    "prefill",
     "prefill_jit", "shard_params",
     "sample_logits", "sharegpt_datastore", "step", "step_jit", "stream",
     "Target", "Tree", "TreeResult", "verify_chain", "verify_tree", "warp",

@@ -10,11 +10,13 @@ import scipy.stats
 
 from specjax import testing
 from specjax.core import bucketing, engine
-from specjax.core.sampling import SamplingParams, warp
+from specjax.core.sampling import (History, RowSampling, Sampler,
+                                   SamplingParams, warp)
 from specjax.core import tree as trees
 from specjax.drafters import DraftModelDrafter, NGramDrafter, TreeProposal
 from specjax.models import decoder
 from specjax.models.decoder import Decoder
+from specjax.models.registry import Model
 
 PROMPTS = [[5, 17, 3], [9, 1, 30, 22, 8, 14, 2, 6], [33], [4, 4, 4, 4, 12]]
 
@@ -370,9 +372,29 @@ _EVERY = ["ngram_trie", "lookup_trie", "eagle3", "eagle3_tree",
           "medusa_static_2x2x1", "layerskip"]
 
 
+# Every option: penalties that bite (the prompts repeat tokens, the output
+# repeats itself), a bias, min-p.
+OPTIONS = dict(min_p=0.05, repetition_penalty=1.3, presence_penalty=0.4,
+               frequency_penalty=0.3, logit_bias=((7, 1.0), (30, -0.5)))
+
+
+def _history_at_each_position(tokens_BS, prompt_lengths_B, num_tokens_B, V):
+  """``History`` ``[B, S, V]``: at position s, the tokens 0..s (the
+  context of the token at s + 1), the generated ones counted."""
+  pos = np.arange(tokens_BS.shape[1])[None, :]
+  onehot = np.eye(V)[np.asarray(tokens_BS)] * (
+      pos < np.asarray(num_tokens_B)[:, None])[..., None]
+  generated = (pos >= np.asarray(prompt_lengths_B)[:, None])[..., None]
+  return History(seen=jnp.asarray(np.cumsum(onehot, 1) > 0),
+                 counts=jnp.asarray(np.cumsum(onehot * generated, 1),
+                                    jnp.float32))
+
+
 @pytest.mark.parametrize("sampling", [
-    SamplingParams(), SamplingParams(0.8, top_k=20, top_p=0.9)],
-    ids=["greedy", "sampled"])
+    SamplingParams(), SamplingParams(0.8, top_k=20, top_p=0.9),
+    SamplingParams(**OPTIONS), SamplingParams(0.8, top_k=20, top_p=0.9,
+                                              **OPTIONS)],
+    ids=["greedy", "sampled", "greedy_options", "sampled_options"])
 @pytest.mark.parametrize("method", ["ar", "chain", "trie", "draft_model",
                                     "sibling_tree", *(
                                         pytest.param(n, marks=pytest.mark.long)
@@ -388,8 +410,15 @@ def test_logprobs_are_the_targets_at_each_generated_token(tiny, method,
   node's depth instead of the node fails), and in the long stage every
   drafter (retrieval trie, EAGLE-3 chain, dynamic and static trees and the
   head + lookup union, EAGLE-1, Medusa chain and static tree, layer-skip);
-  0 at prompt positions and past each row's tokens."""
+  0 at prompt positions and past each row's tokens. With the penalties, a
+  bias and min-p the warped distribution is the one at each position's
+  own context (history computed here from the tokens): at T = 0 each
+  token is that distribution's argmax, so the methods decode as the
+  sequential decoder does."""
   cfg, params = tiny
+  if method in _EVERY and sampling.penalized:
+    pytest.skip("the options on every drafter: the fast methods and "
+                "test_exactness")
   if method in _EVERY:
     from tests.test_architectures import every_drafter
     (kw, dparams), = every_drafter(Decoder(cfg), params,
@@ -412,8 +441,11 @@ def test_logprobs_are_the_targets_at_each_generated_token(tiny, method,
       cfg, len(PROMPTS), 64)).logits.astype(jnp.float32)
   want_raw = jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]),
                                  st.tokens[:, 1:, None], axis=-1)[..., 0]
-  want = jnp.log(jnp.take_along_axis(warp(logits[:, :-1], sampling),
-                                     st.tokens[:, 1:, None], axis=-1)[..., 0])
+  history = _history_at_each_position(st.tokens[:, :-1], lengths,
+                                     st.num_tokens, cfg.vocab_size)
+  want = jnp.log(jnp.take_along_axis(
+      warp(logits[:, :-1], Sampler(sampling, history=history)),
+      st.tokens[:, 1:, None], axis=-1)[..., 0])
   pos = np.arange(1, 64)[None, :]
   new = (pos >= np.asarray(lengths)[:, None]) & (
       pos < np.asarray(st.num_tokens)[:, None])
@@ -548,3 +580,59 @@ def test_a_rows_output_is_its_own_in_any_batch(tiny, method):
     for r, (tokens, logprobs) in run(order).items():
       assert tokens == together[r][0], (order, r)
       np.testing.assert_allclose(logprobs, together[r][1], atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["ar", "chain"])
+def test_rows_with_their_own_sampling_share_one_compile(tiny, method,
+                                                        monkeypatch):
+  """Invariant: sampling values are data. A batch whose rows have
+  different temperatures, top-p, penalties and biases (a greedy row among
+  them), then a sweep of those values, compile one generate (trace
+  count); each row's tokens and log-probs are the ones it gets alone, in
+  the program of its own settings (prompt index kept) -- AR and a chain."""
+  from specjax.core import runner
+  from specjax.drafters import AR, Method
+  cfg, params = tiny
+  model = Model(target=Decoder(dataclasses.replace(cfg, name="per-row")),
+                params=params, tokenizer=None)
+  m = (Method(drafter=NGramDrafter(), num_draft=3) if method == "chain"
+       else AR)
+  mixed = [SamplingParams(0.9, top_p=0.95), SamplingParams(),
+           SamplingParams(1.3, top_p=0.8, presence_penalty=0.5),
+           SamplingParams(0.6, repetition_penalty=1.2, logit_bias={7: 2.0})]
+  traces = []
+  real_prefill = engine.prefill
+  monkeypatch.setattr(engine, "prefill",
+                      lambda *a, **k: traces.append(1) or real_prefill(*a, **k))
+  run = lambda sampling, prompts=PROMPTS, first=0: runner.generate_ids(
+      model, prompts, max_new_tokens=8, sampling=sampling, seed=3, method=m,
+      first_prompt=first).rows
+  together = run(mixed)
+  swept = run([dataclasses.replace(sp, temperature=sp.temperature * 0.5,
+                                   top_p=sp.top_p * 0.9)
+               for sp in mixed])
+  assert len(traces) == 1
+  assert [r.output_ids for r in swept] != [r.output_ids for r in together]
+  for i, sp in enumerate(mixed):
+    alone, = run(sp, [PROMPTS[i]], first=i)
+    assert alone.output_ids == together[i].output_ids, i
+    np.testing.assert_allclose(alone.logprobs, together[i].logprobs,
+                               atol=1e-5)
+  assert not any(together[1].logprobs)  # the greedy row
+
+
+def test_rows_whose_sampling_does_not_fit_the_program_are_refused():
+  """Invariant: ``RowSampling.build`` refuses a row the program cannot
+  honour, naming the row and the setting (never a silent clip)."""
+  program = SamplingParams(0.7, top_k=8)
+  for row, words in [(SamplingParams(0.7, top_k=9), "top_k must be in"),
+                     (SamplingParams(0.7, top_k=4, top_p=0.9), "top_p"),
+                     (SamplingParams(0.7, top_k=4, min_p=0.1), "min_p"),
+                     (SamplingParams(0.7, top_k=4, presence_penalty=1.0),
+                      "penalties"),
+                     (SamplingParams(0.7, top_k=4, logit_bias={3: 1.0}),
+                      "biased tokens")]:
+    with pytest.raises(ValueError, match=f"row 1.*{words}"):
+      RowSampling.build(program, [SamplingParams(0.5, top_k=2), row])
+  with pytest.raises(ValueError, match="greedy"):
+    RowSampling.build(SamplingParams(), [SamplingParams(0.5)])

@@ -22,6 +22,8 @@ Medusa chain and tree, retrieval, the head's tree merged with the lookup
 trie) and the mutations the check must catch.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,7 +33,7 @@ import torch
 from transformers.generation import logits_process
 
 from specjax.core import engine
-from specjax.core.sampling import SamplingParams
+from specjax.core.sampling import RowSampling, SamplingParams
 from specjax.models.decoder import Decoder
 from specjax.models.hf_loader import load_hf
 from tests.tiny_hf import make_tiny
@@ -47,22 +49,60 @@ PROMPT = [2, 11, 3, 10, 0, 4, 7, 5, 14, 12, 6, 9, 13, 8, 1, 15, 2, 11, 3, 10,
           0]
 
 
-def _reference_warp(logits):
-  """transformers' warpers, in the order generate applies them."""
-  scores = torch.as_tensor(logits)
-  ids = torch.zeros((scores.shape[0], 1), dtype=torch.long)
-  for warper in (logits_process.TemperatureLogitsWarper(SAMPLING.temperature),
-                 logits_process.TopKLogitsWarper(SAMPLING.top_k),
-                 logits_process.TopPLogitsWarper(SAMPLING.top_p)):
+def _reference_warp(logits, sp, ids, num_generated):
+  """transformers' processors and warpers, in the order generate applies
+  them, with presence and frequency penalties (which transformers lacks)
+  as the OpenAI API documents them: ``logit -= frequency * count +
+  presence * (count > 0)`` over the generated tokens. ``ids``: ``[N, T]``
+  each row's context, its last ``num_generated`` tokens generated."""
+  scores = torch.as_tensor(logits, dtype=torch.float32)
+  ids = torch.as_tensor(ids, dtype=torch.long)
+  if sp.repetition_penalty != 1:
+    scores = logits_process.RepetitionPenaltyLogitsProcessor(
+        sp.repetition_penalty)(ids, scores)
+  if num_generated:
+    counts = torch.nn.functional.one_hot(
+        ids[:, -num_generated:], scores.shape[-1]).sum(1).float()
+    scores = (scores - sp.frequency_penalty * counts
+              - sp.presence_penalty * (counts > 0).float())
+  if sp.logit_bias:
+    scores = logits_process.SequenceBiasLogitsProcessor(
+        {(t,): b for t, b in sp.logit_bias})(ids, scores)
+  warpers = [logits_process.TemperatureLogitsWarper(sp.temperature)]
+  if sp.top_k:
+    warpers.append(logits_process.TopKLogitsWarper(sp.top_k))
+  if sp.top_p < 1:
+    warpers.append(logits_process.TopPLogitsWarper(sp.top_p))
+  if sp.min_p:
+    warpers.append(logits_process.MinPLogitsWarper(sp.min_p))
+  for warper in warpers:
     scores = warper(ids, scores)
   return torch.softmax(scores.double(), -1).numpy()
 
 
+def _joint_law(logits, sp):
+  """``expected[a, b, c, d]``: the probability that the first four
+  generated tokens are a, b, c, d, from ``logits[a, b, c, t]`` (position t
+  after the prompt and the first t of a, b, c)."""
+  V = logits.shape[-1]
+  grid = np.stack(np.meshgrid(*[np.arange(V)] * 3, indexing="ij"),
+                  -1).reshape(-1, 3)
+  q = np.stack([_reference_warp(
+      logits[:, :, :, t].reshape(-1, V), sp,
+      np.concatenate([np.tile(PROMPT, (V ** 3, 1)), grid[:, :t]], 1), t)
+      for t in range(4)], 1).reshape(V, V, V, 4, V)
+  return (q[0, 0, 0, 0][:, None, None, None]
+          * q[:, 0, 0, 1][:, :, None, None]
+          * q[:, :, 0, 2][:, :, :, None]
+          * q[:, :, :, 3])
+
+
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-  """(config, params, expected) with expected[a, b, c, d] the probability
-  that the first four generated tokens are a, b, c, d: one transformers
-  forward over the prompt followed by every three tokens."""
+  """(config, params, expected, logits): ``expected`` the joint law of
+  the first four generated tokens under ``SAMPLING`` (``_joint_law``) and
+  ``logits[a, b, c, t]`` transformers' after the prompt and every three
+  tokens (one forward over each)."""
   d = tmp_path_factory.mktemp("v16")
   model = make_tiny("llama_v16", d, seed=0)
   cfg, params = load_hf(d)
@@ -72,26 +112,23 @@ def target(tmp_path_factory):
                          grid.reshape(-1, 3)], 1)
   with torch.no_grad():
     logits = model(torch.as_tensor(seqs)).logits[:, L - 1:].numpy()
-  q = _reference_warp(logits.reshape(-1, V)).reshape(V, V, V, 4, V)
-  expected = (q[0, 0, 0, 0][:, None, None, None]
-              * q[:, 0, 0, 1][:, :, None, None]
-              * q[:, :, 0, 2][:, :, :, None]
-              * q[:, :, :, 3])
-  return cfg, params, expected
+  logits = logits.reshape(V, V, V, 4, V)
+  return cfg, params, _joint_law(logits, SAMPLING), logits
 
 
-def generate(target, drafter=None, drafter_params=None, seed=0, **kw):
+def generate(target, drafter=None, drafter_params=None, seed=0,
+             sampling=SAMPLING, rows=None, **kw):
   """The first NEW generated tokens of N rows as one cell index each, and
   the final state."""
-  cfg, params, _ = target
+  cfg, params = target[:2]
   L, V = len(PROMPT), cfg.vocab_size
-  dcfg = engine.DecodeConfig(capacity=32, sampling=SAMPLING, drafter=drafter,
+  dcfg = engine.DecodeConfig(capacity=32, sampling=sampling, drafter=drafter,
                              num_draft=K if drafter else 0, **kw)
   st = engine.generate_jit(params, jnp.tile(jnp.asarray([PROMPT], jnp.int32),
                                             (N, 1)),
                            jnp.full((N,), L, jnp.int32), jax.random.key(seed),
                            np.int32(NEW), target=Decoder(cfg), dcfg=dcfg,
-                           drafter_params=drafter_params)
+                           drafter_params=drafter_params, sampling=rows)
   assert (np.asarray(st.num_tokens) == L + NEW).all()
   tokens = np.asarray(st.tokens[:, L:L + NEW])
   return np.ravel_multi_index(tokens.T, (V,) * NEW), st
@@ -119,7 +156,7 @@ def _head(target, variant="eagle3", **overrides):
   from specjax.heads.base import HeadConfig
   from specjax.heads.vocab import build_draft_vocab
   from specjax.training.train import init_head
-  cfg, params, _ = target
+  cfg, params = target[:2]
   V = cfg.vocab_size
   taps = dict(taps=(0, 1, 2)) if variant == "eagle3" else {}  # L = 2
   hcfg = HeadConfig.for_target(cfg, VD, variant=variant, **taps, **overrides)
@@ -132,7 +169,7 @@ def _head(target, variant="eagle3", **overrides):
 def _eagle(target):
   from specjax.drafters.eagle import EagleParams
   hcfg, head, ids = _head(target)
-  cfg, params, _ = target
+  cfg, params = target[:2]
   return hcfg, EagleParams(head=head, draft_ids=ids,
                            embed=Decoder(cfg).embedding(params))
 
@@ -161,7 +198,7 @@ def long_drafters(target, tmp_path_factory):
   from specjax.drafters.medusa import MedusaDrafter, MedusaParams
   from specjax.drafters.retrieval import build_datastore
   from specjax.drafters.union import TreeUnion, UnionParams
-  cfg, params, _ = target
+  cfg, params = target[:2]
   d = tmp_path_factory.mktemp("v16_draft")
   make_tiny("llama_v16", d, seed=1)
   draft_cfg, draft_params = load_hf(d)
@@ -187,9 +224,9 @@ def long_drafters(target, tmp_path_factory):
   }
 
 
-def _check(target, drafter, dparams, kw):
-  cells, st = generate(target, drafter, dparams, **kw)
-  stat, crit = chi_square(cells, target[2])
+def _check(target, drafter, dparams, kw, sampling=SAMPLING, expected=None):
+  cells, st = generate(target, drafter, dparams, sampling=sampling, **kw)
+  stat, crit = chi_square(cells, target[2] if expected is None else expected)
   assert stat < crit, (stat, crit)
   accepted = np.asarray(st.accepted_at)  # [N, K]: accepted at each depth
   assert (np.asarray(st.num_drafted) > 0).mean() > 0.9
@@ -226,6 +263,70 @@ def test_other_drafters_sample_the_target_exactly(target, name,
   _check(target, *long_drafters(target, tmp_path_factory)[name])
 
 
+# Every option at once, each biting within the four tokens: the prompt
+# holds every token (repetition), the presence and frequency penalties act
+# on the tokens generated before (drafted ones too), min-p cuts after top-p.
+OPTIONS = dataclasses.replace(SAMPLING, min_p=0.05, repetition_penalty=1.3,
+                              presence_penalty=0.8, frequency_penalty=0.5,
+                              logit_bias=((5, 1.5), (9, -2.0)))
+ONE_OPTION = {"repetition": dict(repetition_penalty=1.5),
+              "presence": dict(presence_penalty=1.0),
+              "frequency": dict(frequency_penalty=0.7),
+              "min_p": dict(min_p=0.3),
+              "logit_bias": dict(logit_bias=((5, 1.5), (9, -2.0)))}
+OPTION_DRAFTERS = ["eagle3_chain_small_vocab", "eagle2_dynamic_tree"]
+
+
+@pytest.fixture(scope="module")
+def options_law(target):
+  return _joint_law(target[3], OPTIONS)
+
+
+def _options_check(target, name, sampling, expected, per_row):
+  """``_check`` with ``sampling`` given as the program's constants, or
+  (``per_row``) as each row's values in its canonical program."""
+  drafter, dparams, kw = fast_drafters(target)[name]
+  if per_row:
+    kw = dict(kw, rows=RowSampling.build(sampling.program(), [sampling] * N))
+    sampling = sampling.program()
+  return _check(target, drafter, dparams, kw, sampling, expected)
+
+
+@pytest.mark.parametrize("name,per_row", [(OPTION_DRAFTERS[0], False),
+                                          (OPTION_DRAFTERS[1], True)])
+def test_sampling_options_are_exact_under_speculation(target, options_law,
+                                                      name, per_row):
+  """Invariant: with the penalties (along each drafted prefix and tree
+  path), a logit bias and min-p, a sampled chain and a tree sample the
+  joint law transformers' processors give (module doc), the values as
+  constants of the program or as each row's data."""
+  _options_check(target, name, OPTIONS, options_law, per_row)
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("name,per_row", [(OPTION_DRAFTERS[0], True),
+                                          (OPTION_DRAFTERS[1], False),
+                                          ("ar", False)])
+def test_sampling_options_other_forms(target, options_law, name, per_row):
+  """Invariant: as the fast test, the other form of each drafter, and AR
+  (the reference agrees with the sampler)."""
+  if name == "ar":
+    cells, _ = generate(target, sampling=OPTIONS)
+    stat, crit = chi_square(cells, options_law)
+    assert stat < crit, (stat, crit)
+  else:
+    _options_check(target, name, OPTIONS, options_law, per_row)
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("name", OPTION_DRAFTERS)
+@pytest.mark.parametrize("option", sorted(ONE_OPTION))
+def test_each_sampling_option_is_exact(target, option, name):
+  """Invariant: each option alone, with a sampled chain and a tree."""
+  sp = dataclasses.replace(SAMPLING, **ONE_OPTION[option])
+  _options_check(target, name, sp, _joint_law(target[3], sp), False)
+
+
 def _report_raw_draft_probs(monkeypatch):
   """A chain drafter that draws from the warped distribution but reports
   the unwarped softmax as the distribution it drew from."""
@@ -241,7 +342,7 @@ def _verify_against_unwarped_target(monkeypatch):
   top-p dropped), while the prefill still samples the warped target."""
   from specjax.core import sampling
   monkeypatch.setattr(engine, "warp", lambda logits, sp: sampling.warp(
-      logits, SamplingParams(sp.temperature)))
+      logits, SamplingParams(sampling.as_sampler(sp).params.temperature)))
 
 
 def _index_positions(monkeypatch):
@@ -251,12 +352,35 @@ def _index_positions(monkeypatch):
       lengths_B[:, None] + jnp.arange(anc_BMM.shape[1])[None, :]))
 
 
-MUTATIONS = {  # name: (drafter, mutation)
+def _penalties_from_committed_tokens(monkeypatch):
+  """The verify block's penalties from the committed tokens alone, not
+  along each position's drafted prefix."""
+  from specjax.core import sampling
+  monkeypatch.setattr(sampling.History, "along",
+                      lambda self, block_BW, anc_BWW: self)
+
+
+def _min_p_in_the_draft_only(monkeypatch):
+  """min-p applied to the drafter's distributions (and the prefill's) but
+  not to the target's at the verify block."""
+  from specjax.core import sampling
+  along = sampling.Sampler.along
+  monkeypatch.setattr(sampling.Sampler, "along", lambda self, b, a: along(
+      self, b, a).replace(params=dataclasses.replace(self.params, min_p=0.0)))
+
+
+MUTATIONS = {  # name: (drafter, mutation[, sampling])
     "draft_probs_reported_unwarped": ("eagle3_chain_small_vocab",
                                       _report_raw_draft_probs),
     "target_unwarped_in_verify": ("ngram_chain",
                                   _verify_against_unwarped_target),
     "tree_positions_by_index": ("eagle2_dynamic_tree", _index_positions),
+    "penalties_from_committed_tokens": (
+        "eagle3_chain_small_vocab", _penalties_from_committed_tokens,
+        dataclasses.replace(SAMPLING, **ONE_OPTION["presence"])),
+    "min_p_in_the_draft_only": (
+        "eagle3_chain_small_vocab", _min_p_in_the_draft_only,
+        dataclasses.replace(SAMPLING, **ONE_OPTION["min_p"])),
 }
 
 
@@ -265,14 +389,17 @@ MUTATIONS = {  # name: (drafter, mutation)
 def test_the_check_catches_mutations(target, mutation, monkeypatch):
   """Invariant (mutation check): the same check FAILS for a drafter that
   reports a distribution other than the one it drew from, for a verifier
-  that drops top-k/top-p, and for tree nodes at index positions."""
-  name, mutate = MUTATIONS[mutation]
+  that drops top-k/top-p, for tree nodes at index positions, for penalties
+  that miss the drafted tokens and for min-p left off the target."""
+  name, mutate, sampling = (MUTATIONS[mutation] + (SAMPLING,))[:3]
   drafter, dparams, kw = fast_drafters(target)[name]
+  expected = (target[2] if sampling is SAMPLING
+              else _joint_law(target[3], sampling))
   mutate(monkeypatch)
   jax.clear_caches()  # re-trace with the mutation in place
   try:
-    cells, _ = generate(target, drafter, dparams, **kw)
+    cells, _ = generate(target, drafter, dparams, sampling=sampling, **kw)
   finally:
     jax.clear_caches()  # never let a mutated trace serve another test
-  stat, crit = chi_square(cells, target[2])
+  stat, crit = chi_square(cells, expected)
   assert stat > crit, (stat, crit)

@@ -55,6 +55,8 @@ COMMON = {  # generate, bench and tune's method options: (plausible value)
     "--dtype": st.sampled_from(["float32", "bfloat16", "float16"]),
     "--mesh": MESH, "--temperature": st.sampled_from(["0", "0.7", "1.3"]),
     "--top-k": st.integers(0, 50), "--top-p": UNIT, "--seed": INT,
+    "--repetition-penalty": UNIT, "--presence-penalty": UNIT,
+    "--logit-bias": st.sampled_from(["3=1.5", "3", "=", "-1=2", "9e9=1"]),
     "--model": MODEL}
 FLAGS = {
     "generate": {**COMMON, "--prompt": st.just("hi"),

@@ -345,3 +345,51 @@ def test_shipped_head_is_packed_on_a_packed_target(smollm2):
                                                       num_draft=2)).params
   assert isinstance(dparams.head["layer"]["wqkv"], layers.PackedWeight)
   assert dparams.head["lm_head"]["kernel"].panels.dtype == jnp.bfloat16
+
+
+def test_grad_runs_through_the_kernels_and_keeps_tied_weights_tied():
+  """Invariant: ``jax.grad`` of a loss over a packed model runs on the
+  kernels' path (the FFI calls are in the program) and gives XLA's
+  gradient (1e-4 relative, f32): over the packed params themselves (a
+  packed weight's gradient is its plain gradient, packed), and over plain
+  params packed inside the jit -- one pytree that both ``generate`` and
+  ``jax.grad`` take, whose tied embedding gets both its uses' gradient."""
+  from specjax import testing
+  from specjax.core import bucketing, engine
+  from specjax.models import decoder
+  assert native.available(), "built with the package (setup.py)"
+  cfg, params = testing.tiny("llama_gqa_tied", seed=3)
+  assert cfg.tie_embeddings and params.lm_head is None
+  tokens = jnp.asarray([[5, 17, 3, 9, 1, 30, 22, 8], [33, 4, 4, 12, 7, 2, 6,
+                                                      19]], jnp.int32)
+
+  def loss(p):  # the mean log-prob of each next token
+    logits = decoder.forward(p, cfg, tokens, decoder.init_cache(
+        cfg, 2, 16)).logits[:, :-1]
+    return jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits),
+                                        tokens[:, 1:, None], -1))
+
+  packed_loss = lambda p: loss(decoder.pack_params(p))
+  assert "specjax_small_gemm" in str(jax.make_jaxpr(jax.grad(packed_loss))(
+      params))
+  assert "specjax_attention" in str(jax.make_jaxpr(packed_loss)(params))
+  want = jax.grad(loss)(params)  # XLA's ops on the plain weights
+  got = jax.jit(jax.grad(packed_loss))(params)
+  close = lambda a, b: np.testing.assert_allclose(
+      np.asarray(a), np.asarray(b), rtol=1e-4,
+      atol=1e-4 * float(np.abs(np.asarray(b)).max()))
+  jax.tree.map(close, got, want)
+  # Over the packed params: each packed weight's gradient is packed.
+  packed = decoder.pack_params(params)
+  g = jax.grad(loss)(packed)
+  close(g.layers[0].wqkv.panels, native.pack(want.layers[0].wqkv))
+
+  @jax.jit
+  def rollout_and_grad(p):  # the pytree generate and grad both take
+    prompt, lengths = bucketing.pad_prompts([[5, 17, 3]])
+    st = engine.generate(decoder.pack_params(p), prompt, lengths,
+                         jax.random.key(0), 4, target=decoder.Decoder(cfg),
+                         dcfg=engine.DecodeConfig(capacity=64))
+    return st.tokens, jax.grad(packed_loss)(p)
+  _, g2 = rollout_and_grad(params)
+  jax.tree.map(close, g2, want)

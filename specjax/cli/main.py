@@ -204,6 +204,17 @@ def _add_sampling_args(p):
   p.add_argument("--min-p", type=float, default=0.0,
                  help="keep tokens at least this fraction as likely as the "
                  "most likely one (after top-p); 0 = off")
+  p.add_argument("--repetition-penalty", type=float, default=1.0,
+                 help="divide positive logits (multiply negative ones) of "
+                 "tokens in the prompt or output by this; 1 = off")
+  p.add_argument("--presence-penalty", type=float, default=0.0,
+                 help="subtract from the logits of tokens already generated; "
+                 "0 = off")
+  p.add_argument("--frequency-penalty", type=float, default=0.0,
+                 help="subtract this per time a token was generated; 0 = off")
+  p.add_argument("--logit-bias", action="append", default=[],
+                 metavar="ID=BIAS", help="add BIAS to token ID's logit "
+                 "(repeatable)")
   p.add_argument("--seed", type=int, default=0)
 
 
@@ -305,10 +316,15 @@ def _ends(args, model) -> dict:
   return dict(min_new_tokens=args.min_new_tokens, stop=stop)
 
 
-def _check_fits(model, ids, max_new_tokens: int, specs) -> None:
+def _check_fits(model, ids, max_new_tokens: int, specs, sampling) -> None:
   """Each prompt and its new tokens fit the context, and so does the
-  widest verify block (``runner.check_context``), worded with the flags."""
+  widest verify block (``runner.check_context``); the logit bias names
+  tokens of the vocabulary; worded with the flags."""
   from specjax.core import runner
+  try:
+    sampling.check_vocab(model.config.vocab_size)
+  except ValueError as e:
+    raise UsageError(f"--logit-bias: {e}") from None
   widest = max(specs, key=lambda s: s.block)
   try:
     runner.check_context(model, [len(p) for p in ids], max_new_tokens,
@@ -337,13 +353,33 @@ def _read_prompts(args) -> list[str]:
     raise UsageError(str(e)) from None
 
 
+def _logit_bias(items) -> tuple[tuple[int, float], ...]:
+  pairs = []
+  for item in items:
+    tok, sep, bias = item.partition("=")
+    try:
+      pairs.append((int(tok), float(bias)))
+    except ValueError:
+      sep = ""
+    if not sep:
+      raise UsageError(f"--logit-bias takes ID=BIAS (an integer token id "
+                       f"and a number), got {item!r}")
+  return tuple(pairs)
+
+
 def _sampling(args):
   from specjax.core.sampling import SamplingParams
+  bias = _logit_bias(args.logit_bias)
   try:
-    return SamplingParams(args.temperature, args.top_k, args.top_p,
-                          args.min_p)
+    return SamplingParams(
+        args.temperature, args.top_k, args.top_p, args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, logit_bias=bias)
   except ValueError as e:  # "top_p must be ..." -> "--top-p must be ..."
     field, rest = str(e).split(" ", 1)
+    if field not in vars(args):  # "the logit bias of token 3 must be ..."
+      raise UsageError(f"--logit-bias: {e}") from None
     raise UsageError(f"--{field.replace('_', '-')} {rest}") from None
 
 
@@ -389,7 +425,7 @@ def cmd_generate(args) -> int:
   prompts = _read_prompts(args)
   model = _load(args.model, args.mesh, args.dtype)
   ids = _encode(model, prompts, chat=not args.no_chat_template)
-  _check_fits(model, ids, args.max_new_tokens, [spec])
+  _check_fits(model, ids, args.max_new_tokens, [spec], sampling)
   method = _build(model, spec)
   ends = _ends(args, model)
 
@@ -437,9 +473,8 @@ def cmd_generate(args) -> int:
             target_forwards=row.target_forwards, tau=round(row.tau, 3),
             accepted_at=row.accepted_at, accepted_nodes=row.accepted_nodes,
             accepted_length_histogram=row.accepted_length_histogram,
-            **row.spec_metrics,
-            temperature=args.temperature, top_k=args.top_k,
-            top_p=args.top_p, min_p=args.min_p, seed=args.seed),
+            **row.spec_metrics, **sampling.record(),
+            seed=args.seed),
             ensure_ascii=False))
       else:
         if len(res.rows) > 1 or len(prompts) > 1:
@@ -523,7 +558,7 @@ def cmd_bench(args) -> int:
     raise UsageError(str(e)) from None
   model = _load(args.model, args.mesh, args.dtype)
   ids = _encode(model, prompts, chat=args.dataset != "humaneval")
-  _check_fits(model, ids, args.max_new_tokens, specs)
+  _check_fits(model, ids, args.max_new_tokens, specs, sampling)
   built = [(s, _build(model, s)) for s in specs]  # bad knobs fail here
 
   import jax

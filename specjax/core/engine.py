@@ -46,7 +46,8 @@ from flax import struct
 from specjax.core import sharding, tree as trees
 from specjax.core.cache import KVCache
 from specjax.core.rows import at_rows, set_at_rows
-from specjax.core.sampling import (SamplingParams, draw, require_int, split,
+from specjax.core.sampling import (History, RowSampling, Sampler,
+                                   SamplingParams, draw, require_int, split,
                                    warp)
 from specjax.core.verify import verify_chain
 from specjax.drafters.base import Context, Drafter, TreeDrafter
@@ -68,8 +69,9 @@ class DecodeConfig:
     capacity: S, slots of the KV cache and of the token buffer. Pick it from
       ``bucketing.capacity_for`` (with ``extra = num_draft + 1``) so nearby
       request sizes share one compile.
-    sampling: warping and temperature (0 = greedy), shared by drafter and
-      target.
+    sampling: the sampling program (``core.sampling``: greedy or not, the
+      top-k bound, which options), shared by drafter and target; its values
+      are every row's unless ``prefill`` gets a ``RowSampling``.
     eos_ids: tokens that end a row (the EOS itself is kept in the output).
     stop_sequences: token sequences that end a row where one is generated
       (kept in the output, like an EOS; the whole sequence among the
@@ -163,6 +165,9 @@ class DecodeState:
       position, read from the verify forward that scored it.
     raw_logprobs: ``f32[B, S]`` the same tokens under the target's own
       distribution (log-softmax of its logits, T = 1).
+    sampling: each row's sampling values (``RowSampling``) in
+      ``DecodeConfig.sampling``'s program, or None: that program's own
+      values for every row (constants of the compiled program).
     prompt_lengths: ``int32[B]``.
     max_new_tokens: ``int32[B]`` each row's budget of generated tokens.
     min_new_tokens: ``int32[B]`` generated tokens before which a row can
@@ -190,6 +195,7 @@ class DecodeState:
   num_tokens: jax.Array
   logprobs: jax.Array
   raw_logprobs: jax.Array
+  sampling: Optional[RowSampling]
   prompt_lengths: jax.Array
   max_new_tokens: jax.Array
   min_new_tokens: jax.Array
@@ -216,6 +222,15 @@ class DecodeState:
   def context(self) -> Context:
     """The committed tokens, as drafters see them."""
     return Context(tokens=self.tokens, num_tokens=self.num_tokens)
+
+  def sampler(self, dcfg: DecodeConfig, vocab_size: int) -> Sampler:
+    """What the next position is warped with: the program, each row's
+    values and, with penalties, each row's committed history."""
+    history = None
+    if dcfg.sampling.penalized:
+      history = History.of(self.tokens, self.num_tokens, self.prompt_lengths,
+                           vocab_size)
+    return Sampler(dcfg.sampling, self.sampling, history)
 
 
 def _laid_out(state: DecodeState, target: Target,
@@ -369,7 +384,8 @@ def prefill(params, prompt_BT: jax.Array,
             prompt_lengths_B: jax.Array, key: jax.Array,
             max_new_tokens: jax.Array | int, *, target: Target,
             dcfg: DecodeConfig, drafter_params: Any = None,
-            min_new_tokens: jax.Array | int = 0) -> DecodeState:
+            min_new_tokens: jax.Array | int = 0,
+            sampling: Optional[RowSampling] = None) -> DecodeState:
   """Runs the prompts (right-padded to a bucket) and samples each first token.
 
   Args:
@@ -383,6 +399,10 @@ def prefill(params, prompt_BT: jax.Array,
     min_new_tokens: tokens each row generates before an EOS or a stop
       sequence can end it (``DecodeState.min_new_tokens``); one or per row.
     drafter_params: the drafter's parameters (a pytree), if it has any.
+    sampling: each row's sampling values (``RowSampling``; data: changing
+      them does not recompile), which must fit ``dcfg.sampling``'s program
+      (``RowSampling.build`` checks); None: ``dcfg.sampling``'s values, as
+      constants of the program.
     target: the model (``models.target.Target``; static), e.g.
       ``Model.target``.
   """
@@ -397,6 +417,8 @@ def prefill(params, prompt_BT: jax.Array,
                     f"(its head, weights or datastore); got None")
   B, Tp = prompt_BT.shape
   S = dcfg.capacity
+  V = target.config.vocab_size
+  dcfg.sampling.check_vocab(V)
   if Tp >= S:  # the first sampled token needs a slot after the prompt
     raise ValueError(f"prompt bucket {Tp} must be below cache capacity {S}")
   given = jnp.asarray(prompt_lengths_B, jnp.int32)
@@ -419,6 +441,8 @@ def prefill(params, prompt_BT: jax.Array,
   state = DecodeState(
       tokens=jnp.zeros((B, S), jnp.int32).at[:, :Tp].set(prompt_BT),
       num_tokens=lengths, logprobs=zeros_BS, raw_logprobs=zeros_BS,
+      sampling=None if sampling is None
+      else jax.tree.map(jnp.asarray, sampling),
       prompt_lengths=lengths, max_new_tokens=per_row(max_new_tokens),
       min_new_tokens=per_row(min_new_tokens), stop_reason=zeros_B,
       cache=out.cache.with_lengths(lengths),
@@ -432,9 +456,10 @@ def prefill(params, prompt_BT: jax.Array,
   key, sub = split(key)
   ok_B = _finite(out.logits)[:, 0] & ~bad_B
   logits_B1V = _usable_logits(out.logits, ok_B[:, None])
+  sampler = state.sampler(dcfg, V)
   q_B1V = warp(_mask_eos(logits_B1V, zeros_B[:, None], state.min_new_tokens,
-                         dcfg), dcfg.sampling)
-  first_B1 = draw(q_B1V, dcfg.sampling, sub)
+                         dcfg), sampler)
+  first_B1 = draw(q_B1V, sampler, sub)
   state, n_B, hit_eos_B, hit_stop_B = _emit(
       state.replace(key=key), first_B1, ok_B.astype(jnp.int32), ok_B, dcfg,
       _token_logprobs(logits_B1V, q_B1V, jnp.zeros((B, 1), jnp.int32),
@@ -512,7 +537,7 @@ class _Draft:
 
 
 def _draft(drafter_params, state: DecodeState, dcfg: DecodeConfig,
-           key: jax.Array) -> _Draft:
+           sampler: Sampler, key: jax.Array) -> _Draft:
   """The drafter's chain or tree, cut to what the row's buffer and cache
   can still take (a step emits up to its accepted depth + 1 tokens); AR
   (K = 0): the newest token alone."""
@@ -520,8 +545,7 @@ def _draft(drafter_params, state: DecodeState, dcfg: DecodeConfig,
   room_B = dcfg.capacity - ctx.num_tokens - 1  # < 0 only in a stopped row
   if dcfg.tree_nodes:
     prop = dcfg.drafter.propose_tree(drafter_params, state.drafter_state, ctx,
-                                     key, dcfg.k, dcfg.tree_nodes,
-                                     dcfg.sampling)
+                                     key, dcfg.k, dcfg.tree_nodes, sampler)
     tree = prop.tree
     anc_BMM = trees.ancestors(tree.parents, tree.valid)
     fits_BM = ((trees.depths(anc_BMM) <= room_B[:, None])
@@ -534,7 +558,7 @@ def _draft(drafter_params, state: DecodeState, dcfg: DecodeConfig,
     return _Draft(block=newest_B1, num_drafted=jnp.zeros_like(room_B),
                   drafter_state=state.drafter_state)
   prop = dcfg.drafter.propose(drafter_params, state.drafter_state, ctx, key,
-                              dcfg.k, dcfg.sampling)
+                              dcfg.k, sampler)
   return _Draft(block=jnp.concatenate([newest_B1, prop.tokens], axis=1),
                 num_drafted=jnp.minimum(prop.num_drafted,
                                         jnp.maximum(room_B, 0)),
@@ -562,19 +586,23 @@ def _score(params, cache: KVCache, draft: _Draft, live_B: jax.Array, *,
 
 
 def _verify(state: DecodeState, draft: _Draft, logits_BWV: jax.Array,
-            live_B: jax.Array, key: jax.Array, dcfg: DecodeConfig):
+            live_B: jax.Array, sampler: Sampler, key: jax.Array,
+            dcfg: DecodeConfig):
   """Exact verification of the draft against the target's logits, after
   the non-finite cut (module doc): ``(result, path, log-probs, rows that
-  stop)``. ``path`` is the block position each emitted token was scored
+  stop)``. Each position is warped with ``sampler`` along its path (the
+  penalties count the drafts before it). ``path`` is the block position each emitted token was scored
   at (a tree's accepted nodes by depth; None for a chain: its first
   positions); log-probs are ``_token_logprobs``' of the result's tokens."""
   new_B1 = state.num_new_tokens[:, None]
   if draft.tree is None:
     logits, num_drafted_B, nonfinite_B = _chain_cut(
         logits_BWV, draft.num_drafted, live_B)
-    new_BW = new_B1 + jnp.arange(logits.shape[1])[None, :]
+    W = logits.shape[1]
+    new_BW = new_B1 + jnp.arange(W)[None, :]
+    chain_BWW = jnp.broadcast_to(jnp.tri(W, dtype=bool), (len(new_B1), W, W))
     q_BWV = warp(_mask_eos(logits, new_BW, state.min_new_tokens, dcfg),
-                 dcfg.sampling)
+                 sampler.along(draft.block, chain_BWW))
     res = verify_chain(draft.block[:, 1:], draft.probs, q_BWV, num_drafted_B,
                        key, greedy=dcfg.sampling.greedy)
     path_BK1 = None
@@ -585,9 +613,8 @@ def _verify(state: DecodeState, draft: _Draft, logits_BWV: jax.Array,
                                           live_B)
     new_BW = new_B1 + trees.depths(draft.anc)
     q_BWV = warp(_mask_eos(logits, new_BW, state.min_new_tokens, dcfg),
-                 dcfg.sampling)
-    res = trees.verify_tree(tree, draft.anc, q_BWV, key, dcfg.sampling,
-                            dcfg.k)
+                 sampler.along(draft.block, draft.anc))
+    res = trees.verify_tree(tree, draft.anc, q_BWV, key, sampler, dcfg.k)
     path_BK1 = at_BK1 = res.path
   return (res, path_BK1, _token_logprobs(logits, q_BWV, at_BK1, res.tokens),
           nonfinite_B)
@@ -684,11 +711,12 @@ def step(params, state: DecodeState, *,
   """
   live_B = ~state.done
   key, k_draft, k_verify = split(state.key, 3)
-  draft = _draft(drafter_params, state, dcfg, k_draft)
+  sampler = state.sampler(dcfg, target.config.vocab_size)
+  draft = _draft(drafter_params, state, dcfg, sampler, k_draft)
   out, wide = _score(params, state.cache, draft, live_B, target=target,
                      dcfg=dcfg)
-  res, path_BK1, logprobs, nonfinite_B = _verify(state, draft, out.logits,
-                                                 live_B, k_verify, dcfg)
+  res, path_BK1, logprobs, nonfinite_B = _verify(
+      state, draft, out.logits, live_B, sampler, k_verify, dcfg)
   live_B &= ~nonfinite_B
   state, n_B, hit_eos_B, hit_stop_B = _emit(
       state, res.tokens, res.num_emitted, live_B, dcfg, logprobs)
@@ -711,11 +739,13 @@ def generate(params, prompt_BT: jax.Array,
              prompt_lengths_B: jax.Array, key: jax.Array,
              max_new_tokens: jax.Array | int, *, target: Target,
              dcfg: DecodeConfig, drafter_params: Any = None,
-             min_new_tokens: jax.Array | int = 0) -> DecodeState:
-  """Prefill then ``step`` until every row has stopped, in one while_loop."""
+             min_new_tokens: jax.Array | int = 0,
+             sampling: Optional[RowSampling] = None) -> DecodeState:
+  """Prefill then ``step`` until every row has stopped, in one while_loop
+  (the arguments are ``prefill``'s)."""
   state = prefill(params, prompt_BT, prompt_lengths_B, key, max_new_tokens,
                   target=target, dcfg=dcfg, drafter_params=drafter_params,
-                  min_new_tokens=min_new_tokens)
+                  min_new_tokens=min_new_tokens, sampling=sampling)
   return jax.lax.while_loop(
       lambda s: jnp.any(~s.done),
       lambda s: step(params, s, target=target, dcfg=dcfg,
@@ -732,7 +762,8 @@ generate_jit = jax.jit(generate, static_argnames=_STATIC)
 def stream(params, prompt_BT, prompt_lengths_B, key,
            max_new_tokens, *, target: Target, dcfg: DecodeConfig,
            drafter_params: Any = None,
-           min_new_tokens: jax.Array | int = 0) -> Iterator[DecodeState]:
+           min_new_tokens: jax.Array | int = 0,
+           sampling: Optional[RowSampling] = None) -> Iterator[DecodeState]:
   """Yields the state after the prefill and after every step (same jitted step).
 
   For notebooks and streaming UIs: each yielded state's ``tokens`` hold
@@ -741,7 +772,7 @@ def stream(params, prompt_BT, prompt_lengths_B, key,
   """
   state = prefill_jit(params, prompt_BT, prompt_lengths_B, key, max_new_tokens,
                       target=target, dcfg=dcfg, drafter_params=drafter_params,
-                      min_new_tokens=min_new_tokens)
+                      min_new_tokens=min_new_tokens, sampling=sampling)
   yield state
   while not bool(jnp.all(state.done)):
     state = step_jit(params, state, target=target, dcfg=dcfg,

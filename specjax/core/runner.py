@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Sequence
+from typing import Callable, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from specjax.core import bucketing, engine, sharding
-from specjax.core.sampling import SamplingParams, require_int, seed_key
+from specjax.core.sampling import (RowSampling, SamplingParams, require_int,
+                                   seed_key)
 from specjax.drafters.base import AR, Method
 from specjax.models.registry import Model
 
@@ -94,6 +95,10 @@ class BatchResult:
   @property
   def new_tokens(self) -> int:
     return sum(len(r.output_ids) for r in self.rows)
+
+
+# One ``SamplingParams`` for every prompt, or one per prompt.
+Sampling = Union[SamplingParams, Sequence[SamplingParams]]
 
 
 def decode_config(model: Model, prompt_bucket: int, max_new_tokens: int,
@@ -207,7 +212,7 @@ def check_memory(model: Model, batch: int, capacity: int,
 
 def generate_ids(model: Model, prompts: Sequence[Sequence[int]], *,
                  max_new_tokens: int | Sequence[int],
-                 sampling: SamplingParams = SamplingParams(), seed: int = 0,
+                 sampling: Sampling = SamplingParams(), seed: int = 0,
                  method: Method = AR, min_new_tokens: int | Sequence[int] = 0,
                  stop: Sequence[Sequence[int]] = (), num_samples: int = 1,
                  first_prompt: int = 0) -> BatchResult:
@@ -218,8 +223,11 @@ def generate_ids(model: Model, prompts: Sequence[Sequence[int]], *,
   + s]`` is prompt i's sample s). Each row draws from its own key,
   ``fold_in(fold_in(seed_key(seed), first_prompt + i), s)``, so its output
   depends on the seed, its prompt index and its sample index, not on the
-  other rows. ``max_new_tokens`` and ``min_new_tokens`` are one for all
-  prompts or one per prompt (``DecodeState``'s); ``stop`` holds token
+  other rows. ``sampling`` is one ``SamplingParams`` for all prompts or
+  one per prompt; their values are data, so settings of one program
+  (``SamplingParams.program``: a temperature or top-p sweep, a batch
+  mixing them) share one compile. ``max_new_tokens`` and
+  ``min_new_tokens`` are one for all prompts or one per prompt (``DecodeState``'s); ``stop`` holds token
   sequences that end a row where one is generated
   (``DecodeConfig.stop_sequences``).
 
@@ -245,7 +253,7 @@ def generate_ids(model: Model, prompts: Sequence[Sequence[int]], *,
 def stream_ids(model: Model, prompts: Sequence[Sequence[int]],
                on_tokens: Callable[[list[list[int]]], None], *,
                max_new_tokens: int | Sequence[int],
-               sampling: SamplingParams = SamplingParams(), seed: int = 0,
+               sampling: Sampling = SamplingParams(), seed: int = 0,
                method: Method = AR, min_new_tokens: int | Sequence[int] = 0,
                stop: Sequence[Sequence[int]] = (), num_samples: int = 1,
                first_prompt: int = 0) -> BatchResult:
@@ -282,6 +290,37 @@ def _per_row(name: str, value, rows: int, least: int) -> np.ndarray:
   return np.asarray(values, np.int32)
 
 
+def _row_sampling(sampling, num_prompts: int, num_samples: int,
+                  vocab_size: int):
+  """``(program, RowSampling)`` of one ``SamplingParams`` or one per
+  prompt: the program that holds them all (the widest top-k, every option
+  any prompt uses, the most biased tokens) and each row's values."""
+  per_prompt = ([sampling] * num_prompts
+                if isinstance(sampling, SamplingParams) else list(sampling))
+  if len(per_prompt) != num_prompts:
+    raise ValueError(f"sampling gives {len(per_prompt)} settings for "
+                     f"{num_prompts} prompts")
+  for sp in per_prompt:
+    if not isinstance(sp, SamplingParams):
+      raise TypeError(f"sampling must be SamplingParams, got "
+                      f"{type(sp).__name__}")
+  for sp in per_prompt:
+    sp.check_vocab(vocab_size)
+  programs = [sp.program() for sp in per_prompt]
+  greedy = all(p.greedy for p in programs)
+  pick = lambda name, on: next((getattr(p, name) for p in programs
+                                if on(getattr(p, name))), getattr(programs[0],
+                                                                  name))
+  program = dataclasses.replace(
+      programs[0], temperature=0.0 if greedy else 1.0,
+      top_k=max(p.top_k for p in programs),
+      top_p=pick("top_p", lambda v: v < 1), min_p=pick("min_p", bool),
+      repetition_penalty=pick("repetition_penalty", lambda v: v != 1),
+      logit_bias=max((p.logit_bias for p in programs), key=len))
+  rows = [sp for sp in per_prompt for _ in range(num_samples)]
+  return program, RowSampling.build(program, rows)
+
+
 def row_keys(seed: int, prompt_index: Sequence[int],
              sample_index: Sequence[int]) -> jax.Array:
   """``key[B]``: row b's, ``fold_in(fold_in(seed_key(seed),
@@ -315,23 +354,28 @@ def _prepare(model, prompts, max_new_tokens, sampling, seed, method: Method,
   prompts = [p for p, _, _ in rows]
   stops = tuple(tuple(seq) for seq in _check_ids(stop,
                                                  model.config.vocab_size))
+  program, row_sampling = _row_sampling(
+      sampling, len(rows) // num_samples, num_samples,
+      model.config.vocab_size)
   pad_id = getattr(model.tokenizer, "pad_id", None) or 0
   prompt_BT, lengths_B = bucketing.pad_prompts(prompts, pad_id)
   dcfg = dataclasses.replace(
-      decode_config(model, prompt_BT.shape[1], int(budgets.max()), sampling,
+      decode_config(model, prompt_BT.shape[1], int(budgets.max()), program,
                     method), stop_sequences=stops)
   check_context(model, lengths_B, budgets, dcfg.block)
   check_memory(model, len(prompts), dcfg.capacity, prompt_BT.shape[1],
                dcfg.block)
   by_row = (prompt_BT, lengths_B, budgets)
-  kw = dict(drafter_params=method.params, min_new_tokens=least)
+  kw = dict(drafter_params=method.params, min_new_tokens=least,
+            sampling=row_sampling)
   key = row_keys(seed, [i for _, i, _ in rows], [s for _, _, s in rows])
   if model.mesh is not None:  # rows over the mesh's data axis
     by_row = sharding.shard_batch(by_row, model.mesh)
     key = sharding.replicate(key, model.mesh)
     kw = dict(drafter_params=sharding.place_drafter_params(method.params,
                                                            model.mesh),
-              min_new_tokens=sharding.shard_batch(least, model.mesh))
+              min_new_tokens=sharding.shard_batch(least, model.mesh),
+              sampling=sharding.shard_batch(row_sampling, model.mesh))
   return rows, (model.params, *by_row[:2], key, by_row[2]), kw, dcfg
 
 

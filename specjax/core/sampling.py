@@ -1,21 +1,34 @@
 """Logits -> probabilities: the one warping every code path uses.
 
 Draft and target distributions must be warped identically for speculative
-sampling to be exact, so temperature / top-k / top-p live here and nowhere
-else. Order follows transformers' warpers: temperature, then top-k, then top-p
-on the top-k-renormalized distribution; ties at a cut-off are kept. All math in
-f32 whatever the model dtype. Temperature 0 means greedy: the "distribution" is
-the one-hot of the argmax (ties -> lowest id, like ``jnp.argmax``).
+sampling to be exact, so every sampling option lives here and nowhere else.
+The order: the penalties (repetition over the prompt and the generated
+tokens, then presence and frequency over the generated tokens, as vLLM and
+the OpenAI API define them), the logit bias, then transformers' warpers:
+temperature, top-k, top-p on the top-k-renormalized distribution, min-p;
+ties at a cut-off are kept. All math in f32 whatever the model dtype.
+Temperature 0 means greedy: the "distribution" is the one-hot of the argmax
+(ties -> lowest id, like ``jnp.argmax``).
+
+Static and traced. ``SamplingParams`` is static (hashable; part of
+``DecodeConfig``): it decides the program -- greedy or sampled, the top-k
+bound (a shape), whether top-p, min-p and the penalties are computed, how
+many tokens carry a bias (a shape). Each row's values are data
+(``RowSampling``, ``f32[B]``/``int32[B]``), so rows with different
+temperatures, top-p or penalties share one batch and one compile as long as
+they fit the program (``SamplingParams.program``, ``RowSampling.build``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 
 F32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal f32
@@ -29,9 +42,22 @@ def require_int(name: str, value) -> None:
     raise TypeError(f"{name} must be an int, got {value!r}")
 
 
+def _finite(name: str, value, low: float = -math.inf,
+            high: float = math.inf, low_open: bool = False) -> None:
+  if not (isinstance(value, (int, float, np.number))
+          and not isinstance(value, bool) and math.isfinite(value)
+          and (value > low if low_open else value >= low) and value <= high):
+    if high < math.inf:
+      bound = f" in {'(' if low_open else '['}{low:g}, {high:g}]"
+    else:
+      bound = f" {'>' if low_open else '>='} {low:g}" if low > -math.inf else ""
+    raise ValueError(f"{name} must be a finite number{bound}, got {value!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-  """Static sampling knobs (hashable; changing them recompiles).
+  """Sampling knobs (static, hashable: changing them recompiles; per-row
+  values that fit one program are ``RowSampling``'s, module doc).
 
   Attributes:
     temperature: 0 for greedy, else a normal f32 (``F32_TINY`` up to
@@ -41,64 +67,368 @@ class SamplingParams:
       every token tied with the last one kept; 1 disables. In (0, 1].
     min_p: then keep the tokens whose probability is at least min_p times
       the most likely one's; 0 disables. In [0, 1].
-  The order is transformers' ``generate``'s: temperature, top-k, top-p,
-  min-p.
+    repetition_penalty: every token in the prompt or generated so far has
+      its logit divided by it when positive, multiplied when negative
+      (transformers', vLLM's); 1 disables. > 0.
+    presence_penalty: subtracted from the logit of every token generated so
+      far (not the prompt's); 0 disables.
+    frequency_penalty: subtracted once per time a token was generated so
+      far; 0 disables.
+    logit_bias: ``((token id, bias), ...)`` added to those logits (a dict
+      is accepted); a token listed twice gets both.
+  The penalties read the context a sequential decoder would have at each
+  position: the committed tokens plus, under speculation, the drafted
+  tokens before the position on its chain or tree path.
   """
   temperature: float = 0.0
   top_k: int = 0
   top_p: float = 1.0
   min_p: float = 0.0
+  repetition_penalty: float = 1.0
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  logit_bias: tuple[tuple[int, float], ...] = ()
 
   def __post_init__(self):
     require_int("top_k", self.top_k)
-    if not (math.isfinite(self.temperature) and self.temperature >= 0):
-      raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+    _finite("temperature", self.temperature, 0.0)
     # Acceptance math is f32: a temperature f32 cannot hold as a normal
     # number (XLA flushes subnormals to 0) would divide 0 by 0.
     if not (self.temperature == 0 or F32_TINY <= self.temperature <= F32_MAX):
       raise ValueError(f"temperature {self.temperature} is outside f32's "
                        f"range [{F32_TINY:.3g}, {F32_MAX:.3g}]; 0 is greedy")
-    if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
-      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-    if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
-      raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+    _finite("top_p", self.top_p, 0.0, 1.0, low_open=True)
+    _finite("min_p", self.min_p, 0.0, 1.0)
     if self.top_k < 0:
       raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+    _finite("repetition_penalty", self.repetition_penalty, 0.0,
+            low_open=True)
+    _finite("presence_penalty", self.presence_penalty)
+    _finite("frequency_penalty", self.frequency_penalty)
+    bias = self.logit_bias
+    pairs = tuple(bias.items()) if isinstance(bias, dict) else bias
+    if not isinstance(pairs, (tuple, list)):
+      raise TypeError(f"logit_bias must be a dict or (token id, bias) "
+                      f"pairs, got {bias!r}")
+    pairs = tuple(tuple(p) if isinstance(p, (tuple, list)) else p
+                  for p in pairs)
+    for pair in pairs:
+      if not (isinstance(pair, tuple) and len(pair) == 2):
+        raise ValueError(f"logit_bias entries must be (token id, bias) "
+                         f"pairs, got {pair!r}")
+      require_int("a logit_bias token id", pair[0])
+      if pair[0] < 0:
+        raise ValueError(f"a logit_bias token id must be >= 0, got "
+                         f"{pair[0]}")
+      _finite(f"the logit bias of token {pair[0]}", pair[1])
+    object.__setattr__(self, "logit_bias",
+                       tuple((int(t), float(b)) for t, b in pairs))
 
   @property
   def greedy(self) -> bool:
     return self.temperature == 0
 
+  def check_vocab(self, vocab_size: int) -> None:
+    """Raises ``ValueError`` when the bias names a token outside the
+    vocabulary (a scatter there would be dropped without a word)."""
+    for t, _ in self.logit_bias:
+      if t >= vocab_size:
+        raise ValueError(f"logit_bias names token {t}, outside the "
+                         f"vocabulary [0, {vocab_size})")
 
-def warp(logits_XV: jax.Array, sp: SamplingParams) -> jax.Array:
-  """Probabilities ``f32[..., V]`` after temperature, top-k, top-p and
-  min-p."""
+  def record(self) -> dict:
+    """The settings as a result row records them (JSON: the bias as
+    ``[[id, bias], ...]``)."""
+    fields = dataclasses.asdict(self)
+    fields["logit_bias"] = [list(pair) for pair in self.logit_bias]
+    return fields
+
+  @property
+  def penalized(self) -> bool:
+    """Whether the program computes the penalties (and their history)."""
+    return (self.repetition_penalty != 1 or self.presence_penalty != 0
+            or self.frequency_penalty != 0)
+
+  def program(self) -> "SamplingParams":
+    """These settings with every value replaced by a canonical one of the
+    same program (module doc): greedy or not, the top-k bound, top-p,
+    min-p and the penalties on or off, the number of biased tokens. Two
+    settings with one program compile to one program when their values
+    are passed as ``RowSampling`` (``runner.generate_ids`` does)."""
+    return SamplingParams(
+        temperature=0.0 if self.greedy else 1.0, top_k=self.top_k,
+        top_p=0.5 if self.top_p < 1 else 1.0,
+        min_p=0.5 if self.min_p > 0 else 0.0,
+        repetition_penalty=2.0 if self.penalized else 1.0,
+        logit_bias=((0, 0.0),) * len(self.logit_bias))
+
+  def fits(self, program: "SamplingParams") -> Optional[str]:
+    """None when these values can run in ``program``'s compiled program
+    (module doc), else what does not fit."""
+    if program.greedy and not self.greedy:
+      return (f"temperature {self.temperature} needs a sampled program; "
+              f"this one is greedy")
+    if program.top_k == 0 and self.top_k:
+      return f"top_k {self.top_k} needs a program with a top-k bound"
+    if program.top_k and not 1 <= self.top_k <= program.top_k:
+      return (f"top_k must be in [1, {program.top_k}] (the program's "
+              f"bound), got {self.top_k}")
+    if self.top_p < 1 and program.top_p == 1:
+      return f"top_p {self.top_p} needs a program with top-p"
+    if self.min_p > 0 and program.min_p == 0:
+      return f"min_p {self.min_p} needs a program with min-p"
+    if self.penalized and not program.penalized:
+      return "penalties need a program with penalties"
+    if len(self.logit_bias) > len(program.logit_bias):
+      return (f"{len(self.logit_bias)} biased tokens; the program has room "
+              f"for {len(program.logit_bias)}")
+    return None
+
+
+@struct.dataclass
+class RowSampling:
+  """Each row's sampling values as data (``f32[B]``, ``int32[B]``; the
+  bias ``[B, NB]``): what ``DecodeState.sampling`` carries. They are taken
+  as given inside a jit; ``build`` checks them against the program."""
+  temperature: jax.Array
+  top_k: jax.Array
+  top_p: jax.Array
+  min_p: jax.Array
+  repetition_penalty: jax.Array
+  presence_penalty: jax.Array
+  frequency_penalty: jax.Array
+  bias_ids: jax.Array
+  bias_values: jax.Array
+
+  @classmethod
+  def build(cls, program: SamplingParams,
+            rows: Sequence[SamplingParams]) -> "RowSampling":
+    """One row per ``SamplingParams``, each checked to fit ``program``
+    (``ValueError`` naming the row and what does not fit); biases padded
+    with zeros to the program's count."""
+    for b, sp in enumerate(rows):
+      why = sp.fits(program)
+      if why:
+        raise ValueError(f"row {b}'s sampling does not fit the compiled "
+                         f"program: {why}")
+    nb = len(program.logit_bias)
+    pad = lambda sp: sp.logit_bias + ((0, 0.0),) * (nb - len(sp.logit_bias))
+    col = lambda f, dt: np.asarray([getattr(sp, f) for sp in rows], dt)
+    f32 = np.float32
+    return cls(
+        temperature=col("temperature", f32), top_k=col("top_k", np.int32),
+        top_p=col("top_p", f32), min_p=col("min_p", f32),
+        repetition_penalty=col("repetition_penalty", f32),
+        presence_penalty=col("presence_penalty", f32),
+        frequency_penalty=col("frequency_penalty", f32),
+        bias_ids=np.asarray([[t for t, _ in pad(sp)] for sp in rows],
+                            np.int32).reshape(len(rows), nb),
+        bias_values=np.asarray([[v for _, v in pad(sp)] for sp in rows],
+                               f32).reshape(len(rows), nb))
+
+  @classmethod
+  def of(cls, sp: SamplingParams, num_rows: int) -> "RowSampling":
+    """``sp``'s values for every row (``jnp`` arrays, traceable)."""
+    full = lambda v, dt: jnp.full((num_rows,), v, dt)
+    bias = sp.logit_bias
+    return cls(
+        temperature=full(sp.temperature, jnp.float32),
+        top_k=full(sp.top_k, jnp.int32), top_p=full(sp.top_p, jnp.float32),
+        min_p=full(sp.min_p, jnp.float32),
+        repetition_penalty=full(sp.repetition_penalty, jnp.float32),
+        presence_penalty=full(sp.presence_penalty, jnp.float32),
+        frequency_penalty=full(sp.frequency_penalty, jnp.float32),
+        bias_ids=jnp.tile(jnp.asarray([t for t, _ in bias], jnp.int32
+                                      ).reshape(1, -1), (num_rows, 1)),
+        bias_values=jnp.tile(jnp.asarray([v for _, v in bias], jnp.float32
+                                         ).reshape(1, -1), (num_rows, 1)))
+
+
+@struct.dataclass
+class History:
+  """What the penalties read, per row (and per block position: ``[B, W,
+  V]``): ``seen`` the tokens of the prompt and generated so far,
+  ``counts`` how often each was generated (f32)."""
+  seen: jax.Array
+  counts: jax.Array
+
+  @classmethod
+  def of(cls, tokens_BS: jax.Array, num_tokens_B: jax.Array,
+         prompt_lengths_B: jax.Array, vocab_size: int) -> "History":
+    """The committed tokens' history."""
+    B, S = tokens_BS.shape
+    idx_BS = jnp.arange(S)[None, :]
+    b_BS = jnp.broadcast_to(jnp.arange(B)[:, None], (B, S))
+    valid_BS = idx_BS < num_tokens_B[:, None]
+    generated_BS = valid_BS & (idx_BS >= prompt_lengths_B[:, None])
+    seen = jnp.zeros((B, vocab_size), bool).at[b_BS, tokens_BS].max(valid_BS)
+    counts = jnp.zeros((B, vocab_size), jnp.float32).at[b_BS, tokens_BS].add(
+        generated_BS.astype(jnp.float32))
+    return cls(seen=seen, counts=counts)
+
+  def add(self, tokens_B: jax.Array, where_B: jax.Array) -> "History":
+    """``[B, V]`` history with each row's token appended where ``where``."""
+    b_B = jnp.arange(tokens_B.shape[0])
+    return History(seen=self.seen.at[b_B, tokens_B].max(where_B),
+                   counts=self.counts.at[b_B, tokens_B].add(
+                       where_B.astype(jnp.float32)))
+
+  def along(self, block_BW: jax.Array, anc_BWW: jax.Array) -> "History":
+    """``[B, W, V]``: the history at each block position, the committed
+    one plus the drafted tokens on the position's path (``anc[b, w, j]``:
+    j is w or its ancestor; block position 0, the newest token, is already
+    committed)."""
+    B, W = block_BW.shape
+    V = self.seen.shape[-1]
+    on_BWW = anc_BWW & (jnp.arange(W) > 0)[None, None, :]
+    b_BWW = jnp.broadcast_to(jnp.arange(B)[:, None, None], (B, W, W))
+    w_BWW = jnp.broadcast_to(jnp.arange(W)[None, :, None], (B, W, W))
+    tok_BWW = jnp.broadcast_to(block_BW[:, None, :], (B, W, W))
+    added = jnp.zeros((B, W, V), jnp.float32).at[b_BWW, w_BWW, tok_BWW].add(
+        on_BWW.astype(jnp.float32))
+    return History(seen=self.seen[:, None] | (added > 0),
+                   counts=self.counts[:, None] + added)
+
+
+@struct.dataclass
+class Sampler:
+  """What a draw is warped with: the program (static), each row's values
+  (None: the program's own, as constants) and, when the program has
+  penalties, each row's history."""
+  params: SamplingParams = struct.field(pytree_node=False)
+  rows: Optional[RowSampling] = None
+  history: Optional[History] = None
+
+  def advance(self, tokens_B: jax.Array, where_B: jax.Array) -> "Sampler":
+    """The sampler after each row generated ``tokens_B`` (where
+    ``where_B``): how a chain drafter's next position sees its drafts."""
+    if self.history is None:
+      return self
+    return self.replace(history=self.history.add(tokens_B, where_B))
+
+  def along(self, block_BW: jax.Array, anc_BWW: jax.Array) -> "Sampler":
+    """The sampler of each position of a verify block (``History.along``)."""
+    if self.history is None:
+      return self
+    return self.replace(history=self.history.along(block_BW, anc_BWW))
+
+  def value(self, name: str, ndim: int):
+    """The program's constant, or each row's value shaped ``[B, 1, ...,
+    1]`` against logits of ``ndim`` dimensions."""
+    if self.rows is None:
+      return getattr(self.params, name)
+    v = getattr(self.rows, name)
+    return v.reshape(v.shape[:1] + (1,) * (ndim - 1))
+
+
+def as_sampler(sampling: SamplingParams | Sampler) -> Sampler:
+  return sampling if isinstance(sampling, Sampler) else Sampler(sampling)
+
+
+def _penalize(logits_XV: jax.Array, s: Sampler) -> jax.Array:
+  """Repetition, then presence and frequency penalties."""
+  if s.history is None:
+    raise ValueError("penalties need each row's history: warp with a "
+                     "Sampler that carries one (the engine builds it)")
+  h, nd = s.history, logits_XV.ndim
+  fit = lambda a: a.reshape(a.shape[:1] + (1,) * (nd - a.ndim) + a.shape[1:])
+  seen, counts = fit(h.seen), fit(h.counts)
+  r = s.value("repetition_penalty", nd)
+  logits = jnp.where(seen, jnp.where(logits_XV > 0, logits_XV / r,
+                                     logits_XV * r), logits_XV)
+  return (logits - s.value("frequency_penalty", nd) * counts
+          - s.value("presence_penalty", nd) * (counts > 0))
+
+
+def _bias(logits_XV: jax.Array, s: Sampler) -> jax.Array:
+  if s.rows is None:
+    ids, values = zip(*s.params.logit_bias)
+    return logits_XV.at[..., np.asarray(ids)].add(
+        jnp.asarray(values, jnp.float32))
+  B, V = s.rows.bias_ids.shape[0], logits_XV.shape[-1]
+  bias_BV = jnp.zeros((B, V), jnp.float32).at[
+      jnp.arange(B)[:, None], s.rows.bias_ids].add(s.rows.bias_values)
+  return logits_XV + bias_BV.reshape((B,) + (1,) * (logits_XV.ndim - 2)
+                                     + (V,))
+
+
+def _top_k(logits, s: Sampler, V: int):
+  """``(logits outside each row's top k at -inf, the bound or 0)``."""
+  sp = s.params
+  bound = (min(sp.top_k, V) if s.rows is not None
+           else (sp.top_k if sp.top_k < V else 0))
+  if not bound:
+    return logits, 0
+  top_vals = jax.lax.top_k(logits, bound)[0]
+  k = jnp.broadcast_to(jnp.asarray(s.value("top_k", logits.ndim)),
+                       logits.shape[:-1] + (1,))
+  kth = jnp.take_along_axis(top_vals, jnp.clip(k, 1, bound) - 1, axis=-1)
+  return jnp.where(logits < kth, -jnp.inf, logits), bound
+
+
+def _top_p(probs, s: Sampler, bound: int):
+  """Probabilities after each row's top-p (``bound``: the top-k bound, the
+  survivors' count; 0: the whole vocabulary), renormalized."""
+  p = s.value("top_p", probs.ndim)
+  # Sorted probabilities: the top-k survivors if any, else the whole vocab.
+  sorted_p = (jax.lax.top_k(probs, bound)[0] if bound
+              else -jnp.sort(-probs, axis=-1))
+  mass_before = jnp.cumsum(sorted_p, axis=-1) - sorted_p
+  keep = mass_before < p  # the top token always survives
+  threshold = jnp.min(jnp.where(keep, sorted_p, jnp.inf), axis=-1,
+                      keepdims=True)
+  cut = jnp.where(probs >= threshold, probs, 0.0)
+  return _renormalized(cut, probs, s, p >= 1)
+
+
+def _min_p(probs, s: Sampler):
+  top = jnp.max(probs, axis=-1, keepdims=True)  # always survives
+  min_p = s.value("min_p", probs.ndim)
+  cut = jnp.where(probs >= min_p * top, probs, 0.0)
+  return _renormalized(cut, probs, s, min_p <= 0)
+
+
+def _renormalized(cut, probs, s: Sampler, off):
+  """The cut distribution renormalized; with each row's values, a row
+  whose value turns the option ``off`` keeps ``probs`` bit for bit (as in
+  a program without the option)."""
+  cut = cut / jnp.sum(cut, axis=-1, keepdims=True)
+  return cut if s.rows is None else jnp.where(off, probs, cut)
+
+
+def warp(logits_XV: jax.Array, sampling: SamplingParams | Sampler
+         ) -> jax.Array:
+  """Probabilities ``f32[..., V]`` after the penalties, the logit bias,
+  temperature, top-k, top-p and min-p (module doc). ``sampling``: the
+  static settings, or a ``Sampler`` with each row's values and history
+  (rows on the first axis)."""
+  s = as_sampler(sampling)
+  sp = s.params
   logits = logits_XV.astype(jnp.float32)
   V = logits.shape[-1]
+  if sp.penalized:
+    logits = _penalize(logits, s)
+  if sp.logit_bias:
+    logits = _bias(logits, s)
   if sp.greedy:
     return jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
+  temperature = s.value("temperature", logits.ndim)
+  if s.rows is not None:  # a greedy row inside a sampled program
+    greedy_row = temperature == 0
+    argmax_X = jnp.argmax(logits, axis=-1)
+    temperature = jnp.where(greedy_row, 1.0, temperature)
   # Shift first: the max becomes 0, so even a tiny temperature gives -inf,
   # never NaN, for the other tokens.
-  logits = (logits - jnp.max(logits, axis=-1, keepdims=True)) / sp.temperature
-  k = sp.top_k if 0 < sp.top_k < V else 0
-  if k:
-    top_vals = jax.lax.top_k(logits, k)[0]
-    logits = jnp.where(logits < top_vals[..., -1:], -jnp.inf, logits)
+  logits = (logits - jnp.max(logits, axis=-1, keepdims=True)) / temperature
+  logits, bound = _top_k(logits, s, V)
   probs = jax.nn.softmax(logits, axis=-1)
   if sp.top_p < 1:
-    # Sorted probabilities: the top-k survivors if any, else the whole vocab.
-    sorted_p = (jax.lax.top_k(probs, k)[0] if k
-                else -jnp.sort(-probs, axis=-1))
-    mass_before = jnp.cumsum(sorted_p, axis=-1) - sorted_p
-    keep = mass_before < sp.top_p  # the top token always survives
-    threshold = jnp.min(jnp.where(keep, sorted_p, jnp.inf), axis=-1,
-                        keepdims=True)
-    probs = jnp.where(probs >= threshold, probs, 0.0)
-    probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
-  if sp.min_p > 0:  # the most likely token always survives
-    top = jnp.max(probs, axis=-1, keepdims=True)
-    probs = jnp.where(probs >= sp.min_p * top, probs, 0.0)
-    probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
+    probs = _top_p(probs, s, bound)
+  if sp.min_p > 0:
+    probs = _min_p(probs, s)
+  if s.rows is not None:
+    probs = jnp.where(greedy_row, jax.nn.one_hot(argmax_X, V,
+                                                 dtype=jnp.float32), probs)
   return probs
 
 
@@ -140,16 +470,17 @@ def sample(probs_XV: jax.Array, key: jax.Array) -> jax.Array:
   return jax.vmap(pick)(probs_XV, key).astype(jnp.int32)
 
 
-def draw(probs_XV: jax.Array, sp: SamplingParams,
+def draw(probs_XV: jax.Array, sampling: SamplingParams | Sampler,
          key: jax.Array) -> jax.Array:
   """``int32[...]`` tokens from ``warp``-ed probabilities: the argmax when
-  greedy (no random draw), else a sample."""
-  if sp.greedy:
+  the program is greedy (no random draw), else a sample (a greedy row's
+  one-hot gives its argmax)."""
+  if as_sampler(sampling).params.greedy:
     return jnp.argmax(probs_XV, axis=-1).astype(jnp.int32)
   return sample(probs_XV, key)
 
 
-def sample_logits(logits_XV: jax.Array, sp: SamplingParams,
+def sample_logits(logits_XV: jax.Array, sampling: SamplingParams | Sampler,
                   key: jax.Array) -> jax.Array:
   """``int32[...]`` next tokens from logits (``draw`` of ``warp``)."""
-  return draw(warp(logits_XV, sp), sp, key)
+  return draw(warp(logits_XV, sampling), sampling, key)

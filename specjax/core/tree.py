@@ -41,7 +41,7 @@ import numpy as np
 from flax import struct
 
 from specjax.core.rows import at_rows, set_at_rows
-from specjax.core.sampling import SamplingParams, draw
+from specjax.core.sampling import Sampler, draw
 
 
 @struct.dataclass
@@ -372,7 +372,7 @@ class TreeResult:
 
 
 def verify_tree(tree: Tree, anc_BMM: jax.Array, target_probs_BMV: jax.Array,
-                key: jax.Array, sampling: SamplingParams,
+                key: jax.Array, sampling: Sampler,
                 max_depth: int) -> TreeResult:
   """Exact verification of a tree fixed before the target scored it (module
   doc): one target draw per node, the deepest path of matching draws.

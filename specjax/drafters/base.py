@@ -10,7 +10,7 @@ import jax
 from flax import struct
 
 from specjax.core.rows import at_rows
-from specjax.core.sampling import SamplingParams
+from specjax.core.sampling import Sampler
 from specjax.core.tree import Tree, trie
 
 
@@ -84,8 +84,10 @@ class Drafter(Protocol):
     """The state after the prefill over the prompts."""
 
   def propose(self, params: Any, state: Any, ctx: Context, key: jax.Array,
-              num_draft: int, sampling: SamplingParams) -> Proposal:
-    """Up to ``num_draft`` drafts per row after its committed tokens."""
+              num_draft: int, sampling: Sampler) -> Proposal:
+    """Up to ``num_draft`` drafts per row after its committed tokens.
+    ``sampling`` (each row's values and history): what a drafter that
+    samples its drafts warps with (``drafters.chain.draft_chain``)."""
 
   def commit(self, params: Any, state: Any, ctx: Context,
              features: Optional[jax.Array] = None) -> Any:
@@ -98,7 +100,7 @@ class TreeDrafter(Drafter, Protocol):
 
   def propose_tree(self, params: Any, state: Any, ctx: Context,
                    key: jax.Array, num_draft: int, num_nodes: int,
-                   sampling: SamplingParams) -> TreeProposal:
+                   sampling: Sampler) -> TreeProposal:
     """A tree of up to ``num_nodes`` drafted nodes, none deeper than
     ``num_draft``, whose shape and tokens do not depend on the target."""
 

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from specjax.core.sampling import SamplingParams, draw, split, warp
+from specjax.core.sampling import Sampler, as_sampler, draw, split, warp
 
 
 def keep_drafting(logits_BV, probs_BV, tok_B, min_confidence):
@@ -34,7 +34,7 @@ def keep_drafting(logits_BV, probs_BV, tok_B, min_confidence):
 def draft_chain(first_logits_BV: jax.Array,
                 step: Callable[[jax.Array, Any], tuple[jax.Array, Any]],
                 carry: Any, key: jax.Array, num_draft: int,
-                sampling: SamplingParams, min_confidence: float):
+                sampling: Sampler, min_confidence: float):
   """Up to ``num_draft`` = K drafts per row.
 
   Args:
@@ -43,6 +43,9 @@ def draft_chain(first_logits_BV: jax.Array,
     step: ``(tok_B, carry) -> (logits_BV, carry)``: feeds the last draft,
       gives the next position's logits.
     carry: the drafter's loop state (its cache, features).
+    sampling: the engine's ``Sampler``; draft i is warped with the drafts
+      before it in its history (the penalties a sequential decoder would
+      apply there).
 
   Returns:
     ``(drafts [B, K], probs [B, K, V], num_draft [B], carry)``: the warped
@@ -52,24 +55,26 @@ def draft_chain(first_logits_BV: jax.Array,
   B, V = first_logits_BV.shape
   K = num_draft
   keys = split(key, K)
+  sampling = as_sampler(sampling)
 
   def emit(i, logits_BV, record):
     """Draws draft i and records it for the rows still drafting."""
-    drafts_BK, probs_BKV, num_B, active_B = record
-    p_BV = warp(logits_BV, sampling)
-    tok_B = draw(p_BV, sampling, keys[i])
+    drafts_BK, probs_BKV, num_B, active_B, sampler = record
+    p_BV = warp(logits_BV, sampler)
+    tok_B = draw(p_BV, sampler, keys[i])
     active_B &= keep_drafting(logits_BV, p_BV, tok_B, min_confidence)
     drafts_BK = drafts_BK.at[:, i].set(jnp.where(active_B, tok_B, 0))
     probs_BKV = jax.lax.dynamic_update_slice_in_dim(
         probs_BKV, p_BV[:, None], i, axis=1)
-    return tok_B, (drafts_BK, probs_BKV, num_B + active_B, active_B)
+    return tok_B, (drafts_BK, probs_BKV, num_B + active_B, active_B,
+                   sampler.advance(tok_B, active_B))
 
   record = (jnp.zeros((B, K), jnp.int32), jnp.zeros((B, K, V), jnp.float32),
-            jnp.zeros((B,), jnp.int32), jnp.ones((B,), bool))
+            jnp.zeros((B,), jnp.int32), jnp.ones((B,), bool), sampling)
   tok_B, record = emit(0, first_logits_BV, record)
 
   def more(loop):
-    i, _, _, (_, _, _, active_B) = loop
+    i, _, _, (_, _, _, active_B, _) = loop
     return (i < K) & jnp.any(active_B)
 
   def body(loop):
@@ -80,6 +85,6 @@ def draft_chain(first_logits_BV: jax.Array,
     tok_B, record = emit(i, logits_BV, record)
     return i + 1, carry, tok_B, record
 
-  _, carry, _, (drafts_BK, probs_BKV, num_B, _) = jax.lax.while_loop(
+  _, carry, _, (drafts_BK, probs_BKV, num_B, _, _) = jax.lax.while_loop(
       more, body, (jnp.int32(1), carry, tok_B, record))
   return drafts_BK, probs_BKV, num_B, carry

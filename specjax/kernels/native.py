@@ -23,12 +23,15 @@ headers). When it is missing or
 fails to load, or ``SPECJAX_NATIVE=0`` is set, ``available()`` is False with
 one warning line saying why, ``small_matmul`` computes the same product
 with XLA on the packed layout and ``decoder.forward`` uses XLA's attention.
-Forward only: neither has a VJP.
+Differentiable: the kernels compute the forward; their VJPs are XLA's
+(``small_matmul``'s here, the attention's in ``models.layers``), so
+``jax.grad`` runs through a packed model on the kernels' path.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import pathlib
 import warnings
@@ -123,19 +126,40 @@ def small_matmul(x_MK: jax.Array, packed_PKL: jax.Array, n: int
                  ) -> jax.Array:
   """``x @ W`` as ``f32[M, n]`` for ``packed = pack(W)`` (W: ``[K, n]``,
   panels f32 or bf16). The native kernel when ``available()``, else XLA on
-  the packed layout (bf16 widened to f32 first: the same products)."""
-  M, K = x_MK.shape
-  bf16 = packed_PKL.dtype == jnp.bfloat16
+  the packed layout (bf16 widened to f32 first: the same products). Its
+  VJP is the XLA product's."""
   if available():
-    return jax.ffi.ffi_call(TARGET_BF16 if bf16 else TARGET,
-                            jax.ShapeDtypeStruct((M, n), jnp.float32),
-                            vmap_method="sequential")(
-        x_MK.astype(jnp.float32),
-        packed_PKL if bf16 else packed_PKL.astype(jnp.float32))
+    return _kernel_matmul(x_MK, packed_PKL, n)
+  return _xla_matmul(x_MK, packed_PKL, n)
+
+
+def _xla_matmul(x_MK, packed_PKL, n):
   y = jnp.einsum("mk,pkl->mpl", x_MK.astype(jnp.float32),
                  packed_PKL.astype(jnp.float32),
                  preferred_element_type=jnp.float32)
-  return y.reshape(M, -1)[:, :n]
+  return y.reshape(x_MK.shape[0], -1)[:, :n]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _kernel_matmul(x_MK, packed_PKL, n):
+  bf16 = packed_PKL.dtype == jnp.bfloat16
+  return jax.ffi.ffi_call(TARGET_BF16 if bf16 else TARGET,
+                          jax.ShapeDtypeStruct((x_MK.shape[0], n),
+                                               jnp.float32),
+                          vmap_method="sequential")(
+      x_MK.astype(jnp.float32),
+      packed_PKL if bf16 else packed_PKL.astype(jnp.float32))
+
+
+def _kernel_matmul_fwd(x_MK, packed_PKL, n):
+  return _kernel_matmul(x_MK, packed_PKL, n), (x_MK, packed_PKL)
+
+
+def _kernel_matmul_bwd(n, res, dy_MN):
+  return jax.vjp(lambda x, w: _xla_matmul(x, w, n), *res)[1](dy_MN)
+
+
+_kernel_matmul.defvjp(_kernel_matmul_fwd, _kernel_matmul_bwd)
 
 
 def attention(q_BTNH: jax.Array, k_BGHS: jax.Array, v_BGSH: jax.Array,

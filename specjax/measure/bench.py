@@ -100,13 +100,14 @@ def measure_costs(model: Model, prompts: Sequence[Sequence[int]],
       lambda: fwd(model.params, state.tokens[:, :width], state.cache), repeats)
   draft = 0.0
   if K:
-    d, sp, M = dcfg.drafter, dcfg.sampling, dcfg.tree_nodes
+    d, M = dcfg.drafter, dcfg.tree_nodes
     propose = jax.jit(
-        (lambda p, s, c, k: d.propose_tree(p, s, c, k, K, M, sp)) if M
-        else (lambda p, s, c, k: d.propose(p, s, c, k, K, sp)))
+        (lambda p, s, c, k, sp: d.propose_tree(p, s, c, k, K, M, sp)) if M
+        else (lambda p, s, c, k, sp: d.propose(p, s, c, k, K, sp)))
     draft = median_time(lambda: propose(
         drafter_params, state.drafter_state, state.context,
-        jax.random.key(1)), repeats)
+        jax.random.key(1), state.sampler(dcfg, model.config.vocab_size)),
+        repeats)
   return Costs(target_1=target_1, verify=verify, draft=draft)
 
 
@@ -294,8 +295,7 @@ def run(model: Model, methods_: Sequence[methods.MethodSpec | tuple],
     identical = [a == b for a, b in zip(ar_tallies[0].outputs, runs[0].outputs)]
     result = dict(
         method=spec.name, dataset=dataset, model=model.config.name,
-        temperature=sampling.temperature, top_k=sampling.top_k,
-        top_p=sampling.top_p, min_p=sampling.min_p, num_prompts=len(prompts),
+        **sampling.record(), num_prompts=len(prompts),
         new_tokens=runs[0].new_tokens, max_new_tokens=max_new_tokens,
         batch_size=batch_size, repeats=repeats, num_draft=spec.k,
         tree_nodes=spec.tree_nodes,

@@ -42,8 +42,9 @@ from specjax.kernels import native
 from specjax.models.config import ModelConfig
 from specjax.models.layers import (PackedWeight, apply_rope, attention,
                                    causal_mask, dense_weight, gated_mlp,
-                                   linear, pack_weight, rms_norm, rope_inv_freq,
-                                   rope_once, softcap, window_masks)
+                                   linear, native_attention, pack_weight,
+                                   rms_norm, rope_inv_freq, rope_once, softcap,
+                                   window_masks)
 from specjax.models.target import ForwardOutput
 
 NATIVE_ATTENTION_MAX_T = 64  # new tokens up to which packed models use it
@@ -316,7 +317,7 @@ def forward(params: DecoderParams, cfg: ModelConfig, tokens_BT: jax.Array,
   # Packed weights mean the native CPU path: its attention too, for decode,
   # verify and tree widths (prefill's long T stays on XLA's batched dots),
   # on the layers it computes (no window, no soft-capping).
-  native_attention = (is_packed(params) and T <= NATIVE_ATTENTION_MAX_T
+  use_native_attention = (is_packed(params) and T <= NATIVE_ATTENTION_MAX_T
                       and cfg.attn_logit_cap is None and native.available())
   tables = _rope_tables(cfg, windows, positions_BT)
 
@@ -336,9 +337,9 @@ def forward(params: DecoderParams, cfg: ModelConfig, tokens_BT: jax.Array,
       # before the write would make XLA copy them to keep the old values.
       ks[c], vs[c] = write_kv(ks[c], vs[c], k, v, slots_BT)
     new_kv.append((k, v))
-    if native_attention and window is None:
+    if use_native_attention and window is None:
       # The kernel scales by H ** -0.5; any other scale goes into q.
-      attn = native.attention(q * (scale * H ** 0.5) if cfg.query_scale
+      attn = native_attention(q * (scale * H ** 0.5) if cfg.query_scale
                               else q, ks[c], vs[c], k, v, lengths_B, mask_BTT)
     else:
       prefix, new = masks[window]

@@ -278,3 +278,40 @@ def attention(q_BTNH, kc_BGHS, vc_BGSH, mask_BQS, new=None, *,
     out_BGQH = jnp.where(sees_bad_BGQ[..., None], jnp.nan, out_BGQH)
   return out_BGQH.reshape(B, G, T, R, H).transpose(0, 2, 1, 3, 4).reshape(
       B, T, N * H)
+
+
+def native_attention(q_BTNH, kc_BGHS, vc_BGSH, k_new_BTGH, v_new_BTGH,
+                     lengths_B, mask_BTT):
+  """``native.attention`` (the kernel's forward, scale ``H ** -0.5``) with
+  the VJP of the same function in XLA (``attention`` over the prefix and
+  the new tokens), so ``jax.grad`` runs through the kernel's path."""
+  return _native_attention(q_BTNH, kc_BGHS, vc_BGSH, k_new_BTGH, v_new_BTGH,
+                           lengths_B, mask_BTT)
+
+
+def _xla_twin(q_BTNH, kc_BGHS, vc_BGSH, k_new_BTGH, v_new_BTGH, lengths_B,
+              mask_BTT):
+  R = q_BTNH.shape[2] // kc_BGHS.shape[1]
+  prefix_B1S = (jnp.arange(kc_BGHS.shape[-1])[None, :]
+                < lengths_B[:, None])[:, None, :]
+  return attention(q_BTNH, kc_BGHS, vc_BGSH, prefix_B1S,
+                   new=(k_new_BTGH, v_new_BTGH,
+                        jnp.repeat(mask_BTT, R, axis=1)))
+
+
+@jax.custom_vjp
+def _native_attention(q, kc, vc, k_new, v_new, lengths, mask):
+  return native.attention(q, kc, vc, k_new, v_new, lengths, mask)
+
+
+def _native_attention_fwd(*args):
+  return _native_attention(*args), args
+
+
+def _native_attention_bwd(args, d_out):
+  *floats, lengths, mask = args
+  grads = jax.vjp(lambda *f: _xla_twin(*f, lengths, mask), *floats)[1](d_out)
+  return (*grads, None, None)
+
+
+_native_attention.defvjp(_native_attention_fwd, _native_attention_bwd)

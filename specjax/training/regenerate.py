@@ -34,6 +34,14 @@ def prompt_lengths(ex: Examples) -> np.ndarray:
   return ex.mask.argmax(axis=1).astype(np.int32)
 
 
+def _sampling_key(sp: SamplingParams) -> list:
+  """The settings in the cache key: temperature, top-k and top-p as the
+  key always held them, then the other options when any is set."""
+  key = [sp.temperature, sp.top_k, sp.top_p]
+  plain = SamplingParams(sp.temperature, sp.top_k, sp.top_p)
+  return key if sp == plain else key + [sp.record()]
+
+
 def regenerate(model, ex: Examples, *, max_new_tokens: int,
                sampling: SamplingParams, seed: int = 0, batch_size: int = 16,
                cache_dir: Optional[str] = None,
@@ -51,8 +59,7 @@ def regenerate(model, ex: Examples, *, max_new_tokens: int,
   key = json.dumps(dict(v=1, ids=hashlib.sha256(ex.ids.tobytes()).hexdigest(),
                         start=hashlib.sha256(start.tobytes()).hexdigest(),
                         model=_fingerprint(model), new=max_new_tokens, seed=seed,
-                        B=batch_size, sampling=[sampling.temperature,
-                                                sampling.top_k, sampling.top_p]))
+                        B=batch_size, sampling=_sampling_key(sampling)))
   cache = pathlib.Path(cache_dir or pathlib.Path.home() / ".cache" / "specjax")
   path = cache / f"eagle-regen-{hashlib.sha256(key.encode()).hexdigest()[:16]}.npz"
   partial = path.with_suffix(".partial.npz")
