@@ -30,6 +30,16 @@ LLAMACPP := $(VENV)/.llamacpp
 LLAMACPP_CMAKE := -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF \
   -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF
 
+# Tunix (google-tunix 0.1.7), for the long stage's rollout-engine tests
+# (tests/test_tunix.py). --no-deps: its own pins would downgrade transformers
+# and safetensors; these are the modules its RL learners import.
+TUNIX := $(VENV)/.tunix
+TUNIX_PKGS := google-tunix==0.1.7 google_metrax==0.2.4 clu==0.0.12 \
+  wrapt==2.5.2 tensorboardX==2.6.5 jaxtyping==0.3.11 perfetto==0.59.1 \
+  wadler_lindig==0.1.8 pandas==3.1.1 qwix==0.1.8 tenacity==9.2.1 \
+  einops==0.8.2 grain==0.2.18 cloudpickle==3.1.3 portpicker==1.6.0 \
+  array_record==0.8.6
+
 # The native CPU kernels (specjax/kernels/native.py: a small-row matmul and decode
 # attention) build with the package (setup.py), so the editable install below
 # compiles them; this rule only recompiles them when their sources change. If
@@ -62,11 +72,15 @@ $(LLAMACPP): $(STAMP)
 	  llama-cpp-python==$(LLAMACPP_VERSION)
 	touch $@
 
+$(TUNIX): $(STAMP)
+	$(BIN)/pip install -q --no-deps $(TUNIX_PKGS)
+	touch $@
+
 demo: $(STAMP) $(NATIVE)
 	$(BIN)/specjax demo
 
 test: $(STAMP) $(NATIVE) $(CONVERTER)
 	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadscope -m "not long" tests
 
-test-long: $(STAMP) $(NATIVE) $(CONVERTER) $(LLAMACPP)
+test-long: $(STAMP) $(NATIVE) $(CONVERTER) $(LLAMACPP) $(TUNIX)
 	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 -m long tests
