@@ -10,7 +10,7 @@ import scipy.stats
 
 from specjax import testing
 from specjax.core import bucketing, engine
-from specjax.core.sampling import (History, RowSampling, Sampler,
+from specjax.core.sampling import (Allowed, History, RowSampling, Sampler,
                                    SamplingParams, warp)
 from specjax.core import tree as trees
 from specjax.drafters import DraftModelDrafter, NGramDrafter, TreeProposal
@@ -378,6 +378,23 @@ OPTIONS = dict(min_p=0.05, repetition_penalty=1.3, presence_penalty=0.4,
                frequency_penalty=0.3, logit_bias=((7, 1.0), (30, -0.5)))
 
 
+def no_repeat_no_eleven(tokens_BS, num_tokens_B, prompt_lengths_B):
+  """An allowed-token hook: never the context's last token again, never
+  token 11."""
+  last_B = jnp.take_along_axis(tokens_BS, (num_tokens_B - 1)[:, None], 1)
+  v_1V = jnp.arange(37)[None, :]
+  return (v_1V != last_B) & (v_1V != 11)
+
+
+def _allowed_at_each_position(hook, tokens_BS, prompt_lengths_B):
+  """``Allowed`` ``[B, S - 1, S]``: at position s, the context tokens
+  0..s."""
+  B, S = tokens_BS.shape
+  return Allowed(hook, jnp.broadcast_to(tokens_BS[:, None], (B, S - 1, S)),
+                 jnp.broadcast_to(jnp.arange(1, S)[None, :], (B, S - 1)),
+                 jnp.asarray(prompt_lengths_B))
+
+
 def _history_at_each_position(tokens_BS, prompt_lengths_B, num_tokens_B, V):
   """``History`` ``[B, S, V]``: at position s, the tokens 0..s (the
   context of the token at s + 1), the generated ones counted."""
@@ -390,15 +407,19 @@ def _history_at_each_position(tokens_BS, prompt_lengths_B, num_tokens_B, V):
                                     jnp.float32))
 
 
-@pytest.mark.parametrize("sampling", [
-    SamplingParams(), SamplingParams(0.8, top_k=20, top_p=0.9),
-    SamplingParams(**OPTIONS), SamplingParams(0.8, top_k=20, top_p=0.9,
-                                              **OPTIONS)],
-    ids=["greedy", "sampled", "greedy_options", "sampled_options"])
-@pytest.mark.parametrize("method", ["ar", "chain", "trie", "draft_model",
-                                    "sibling_tree", *(
-                                        pytest.param(n, marks=pytest.mark.long)
-                                        for n in _EVERY)])
+_SAMPLINGS = {"greedy": SamplingParams(),
+              "sampled": SamplingParams(0.8, top_k=20, top_p=0.9),
+              "greedy_options": SamplingParams(**OPTIONS),
+              "sampled_options": SamplingParams(0.8, top_k=20, top_p=0.9,
+                                                **OPTIONS)}
+_FAST = ["ar", "chain", "trie", "draft_model", "sibling_tree"]
+
+
+@pytest.mark.parametrize("method,sampling", [
+    pytest.param(m, sp, id=f"{m}-{name}")
+    for m in _FAST for name, sp in _SAMPLINGS.items()] + [
+    pytest.param(m, sp, id=f"{m}-{name}", marks=pytest.mark.long)
+    for m in _EVERY for name, sp in list(_SAMPLINGS.items())[:2]])
 def test_logprobs_are_the_targets_at_each_generated_token(tiny, method,
                                                           sampling):
   """Invariant: ``DecodeState.logprobs`` / ``raw_logprobs`` hold, at each
@@ -411,14 +432,11 @@ def test_logprobs_are_the_targets_at_each_generated_token(tiny, method,
   drafter (retrieval trie, EAGLE-3 chain, dynamic and static trees and the
   head + lookup union, EAGLE-1, Medusa chain and static tree, layer-skip);
   0 at prompt positions and past each row's tokens. With the penalties, a
-  bias and min-p the warped distribution is the one at each position's
-  own context (history computed here from the tokens): at T = 0 each
-  token is that distribution's argmax, so the methods decode as the
-  sequential decoder does."""
+  bias, min-p and an allowed-token hook the warped distribution is the
+  one at each position's own context (history and hook computed here from
+  the tokens): at T = 0 each token is that distribution's argmax, so the
+  methods decode as the sequential decoder does."""
   cfg, params = tiny
-  if method in _EVERY and sampling.penalized:
-    pytest.skip("the options on every drafter: the fast methods and "
-                "test_exactness")
   if method in _EVERY:
     from tests.test_architectures import every_drafter
     (kw, dparams), = every_drafter(Decoder(cfg), params,
@@ -432,19 +450,24 @@ def test_logprobs_are_the_targets_at_each_generated_token(tiny, method,
           "sibling_tree": dict(drafter=_SiblingTree(Decoder(cfg)),
                                num_draft=3, tree_nodes=4)}[method]
     dparams = params if kw.get("drafter") else None
+  hook = no_repeat_no_eleven if sampling.penalized else None
   prompt_BT, lengths = bucketing.pad_prompts(PROMPTS)
   st = engine.generate_jit(
       params, prompt_BT, lengths, jax.random.key(1), np.int32(12),
       target=Decoder(cfg), dcfg=engine.DecodeConfig(
-          capacity=64, sampling=sampling, **kw), drafter_params=dparams)
+          capacity=64, sampling=sampling, allowed_tokens=hook, **kw),
+      drafter_params=dparams)
   logits = decoder.forward(params, cfg, st.tokens, decoder.init_cache(
       cfg, len(PROMPTS), 64)).logits.astype(jnp.float32)
   want_raw = jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]),
                                  st.tokens[:, 1:, None], axis=-1)[..., 0]
   history = _history_at_each_position(st.tokens[:, :-1], lengths,
                                      st.num_tokens, cfg.vocab_size)
+  allowed = (None if hook is None
+             else _allowed_at_each_position(hook, st.tokens, lengths))
   want = jnp.log(jnp.take_along_axis(
-      warp(logits[:, :-1], Sampler(sampling, history=history)),
+      warp(logits[:, :-1], Sampler(sampling, history=history,
+                                   allowed=allowed)),
       st.tokens[:, 1:, None], axis=-1)[..., 0])
   pos = np.arange(1, 64)[None, :]
   new = (pos >= np.asarray(lengths)[:, None]) & (
@@ -636,3 +659,23 @@ def test_rows_whose_sampling_does_not_fit_the_program_are_refused():
       RowSampling.build(program, [SamplingParams(0.5, top_k=2), row])
   with pytest.raises(ValueError, match="greedy"):
     RowSampling.build(SamplingParams(), [SamplingParams(0.5)])
+
+
+@pytest.mark.parametrize("method", METHODS_4)
+def test_a_position_the_hook_closes_ends_the_row(tiny, method):
+  """Invariant: where the allowed-token hook allows no token (here: after
+  the third generated one) the row ends there (reason "nonfinite", no
+  token sampled from an empty distribution), its tokens before that the
+  unconstrained run's -- the same wherever the position falls in a block
+  or tree."""
+  cfg, params = tiny
+
+  def three_then_none(tokens_BS, num_tokens_B, prompt_lengths_B):
+    open_B1 = (num_tokens_B - prompt_lengths_B < 3)[:, None]
+    return jnp.broadcast_to(open_B1, (len(num_tokens_B), cfg.vocab_size))
+
+  free, _ = _decode(params, cfg, method, SamplingParams())
+  got, reasons = _decode(params, cfg, method, SamplingParams(),
+                         allowed_tokens=three_then_none)
+  assert got == [row[:3] for row in free]
+  assert reasons == ["nonfinite"] * len(PROMPTS)

@@ -20,6 +20,12 @@ dynamic) and a static tree (the head's 2x2). Long stage: AR (the reference
 agrees with specjax's sampler), the other drafters (draft model, layer-skip,
 Medusa chain and tree, retrieval, the head's tree merged with the lookup
 trie) and the mutations the check must catch.
+
+The other sampling options the same way, the law from transformers'
+processors (repetition penalty, sequence bias, min-p) and the OpenAI
+formula for presence and frequency penalties: all at once and each alone,
+an allowed-token hook, and stop sequences (the law pushed through the cut
+at the first stop), with the EAGLE-3 chain and the EAGLE-2 tree.
 """
 
 import dataclasses
@@ -49,12 +55,21 @@ PROMPT = [2, 11, 3, 10, 0, 4, 7, 5, 14, 12, 6, 9, 13, 8, 1, 15, 2, 11, 3, 10,
           0]
 
 
-def _reference_warp(logits, sp, ids, num_generated):
+def no_repeat_no_five(tokens_BS, num_tokens_B, prompt_lengths_B):
+  """An allowed-token hook: never the context's last token again, never
+  token 5."""
+  last_B = jnp.take_along_axis(tokens_BS, (num_tokens_B - 1)[:, None], 1)
+  v_1V = jnp.arange(16)[None, :]
+  return (v_1V != last_B) & (v_1V != 5)
+
+
+def _reference_warp(logits, sp, ids, num_generated, hook=False):
   """transformers' processors and warpers, in the order generate applies
   them, with presence and frequency penalties (which transformers lacks)
   as the OpenAI API documents them: ``logit -= frequency * count +
-  presence * (count > 0)`` over the generated tokens. ``ids``: ``[N, T]``
-  each row's context, its last ``num_generated`` tokens generated."""
+  presence * (count > 0)`` over the generated tokens, and (``hook``)
+  ``no_repeat_no_five`` written out here. ``ids``: ``[N, T]`` each row's
+  context, its last ``num_generated`` tokens generated."""
   scores = torch.as_tensor(logits, dtype=torch.float32)
   ids = torch.as_tensor(ids, dtype=torch.long)
   if sp.repetition_penalty != 1:
@@ -68,6 +83,10 @@ def _reference_warp(logits, sp, ids, num_generated):
   if sp.logit_bias:
     scores = logits_process.SequenceBiasLogitsProcessor(
         {(t,): b for t, b in sp.logit_bias})(ids, scores)
+  if hook:
+    banned = torch.nn.functional.one_hot(ids[:, -1], scores.shape[-1]).bool()
+    banned[:, 5] = True
+    scores = scores.masked_fill(banned, -float("inf"))
   warpers = [logits_process.TemperatureLogitsWarper(sp.temperature)]
   if sp.top_k:
     warpers.append(logits_process.TopKLogitsWarper(sp.top_k))
@@ -80,7 +99,7 @@ def _reference_warp(logits, sp, ids, num_generated):
   return torch.softmax(scores.double(), -1).numpy()
 
 
-def _joint_law(logits, sp):
+def _joint_law(logits, sp, hook=False):
   """``expected[a, b, c, d]``: the probability that the first four
   generated tokens are a, b, c, d, from ``logits[a, b, c, t]`` (position t
   after the prompt and the first t of a, b, c)."""
@@ -89,8 +108,8 @@ def _joint_law(logits, sp):
                   -1).reshape(-1, 3)
   q = np.stack([_reference_warp(
       logits[:, :, :, t].reshape(-1, V), sp,
-      np.concatenate([np.tile(PROMPT, (V ** 3, 1)), grid[:, :t]], 1), t)
-      for t in range(4)], 1).reshape(V, V, V, 4, V)
+      np.concatenate([np.tile(PROMPT, (V ** 3, 1)), grid[:, :t]], 1), t,
+      hook) for t in range(4)], 1).reshape(V, V, V, 4, V)
   return (q[0, 0, 0, 0][:, None, None, None]
           * q[:, 0, 0, 1][:, :, None, None]
           * q[:, :, 0, 2][:, :, :, None]
@@ -327,6 +346,18 @@ def test_each_sampling_option_is_exact(target, option, name):
   _options_check(target, name, sp, _joint_law(target[3], sp), False)
 
 
+@pytest.mark.parametrize("name", [
+    OPTION_DRAFTERS[0], pytest.param(OPTION_DRAFTERS[1],
+                                     marks=pytest.mark.long)])
+def test_allowed_tokens_hook_is_exact(target, name):
+  """Invariant: with an allowed-token hook that reads the context (no
+  repeat of the last token: each drafted position's differs), a sampled
+  chain and a tree sample the masked joint law."""
+  drafter, dparams, kw = fast_drafters(target)[name]
+  _check(target, drafter, dparams, dict(kw, allowed_tokens=no_repeat_no_five),
+         expected=_joint_law(target[3], SAMPLING, hook=True))
+
+
 def _report_raw_draft_probs(monkeypatch):
   """A chain drafter that draws from the warped distribution but reports
   the unwarped softmax as the distribution it drew from."""
@@ -360,6 +391,19 @@ def _penalties_from_committed_tokens(monkeypatch):
                       lambda self, block_BW, anc_BWW: self)
 
 
+def _hook_reads_the_committed_context(monkeypatch):
+  """The allowed-token hook at each verify position fed the committed
+  tokens, not the drafts before the position."""
+  from specjax.core import sampling
+
+  def committed(self, block_BW, anc_BWW):
+    (B, W), S = block_BW.shape, self.tokens.shape[1]
+    return self.replace(
+        tokens=jnp.broadcast_to(self.tokens[:, None], (B, W, S)),
+        num_tokens=jnp.broadcast_to(self.num_tokens[:, None], (B, W)))
+  monkeypatch.setattr(sampling.Allowed, "along", committed)
+
+
 def _min_p_in_the_draft_only(monkeypatch):
   """min-p applied to the drafter's distributions (and the prefill's) but
   not to the target's at the verify block."""
@@ -381,6 +425,9 @@ MUTATIONS = {  # name: (drafter, mutation[, sampling])
     "min_p_in_the_draft_only": (
         "eagle3_chain_small_vocab", _min_p_in_the_draft_only,
         dataclasses.replace(SAMPLING, **ONE_OPTION["min_p"])),
+    "hook_reads_the_committed_context": (
+        "eagle3_chain_small_vocab", _hook_reads_the_committed_context,
+        SAMPLING, True),
 }
 
 
@@ -390,11 +437,15 @@ def test_the_check_catches_mutations(target, mutation, monkeypatch):
   """Invariant (mutation check): the same check FAILS for a drafter that
   reports a distribution other than the one it drew from, for a verifier
   that drops top-k/top-p, for tree nodes at index positions, for penalties
-  that miss the drafted tokens and for min-p left off the target."""
-  name, mutate, sampling = (MUTATIONS[mutation] + (SAMPLING,))[:3]
+  that miss the drafted tokens, for min-p left off the target and for an
+  allowed-token hook fed the committed context at drafted positions."""
+  name, mutate, sampling, hook = (MUTATIONS[mutation] + (SAMPLING,
+                                                         False))[:4]
   drafter, dparams, kw = fast_drafters(target)[name]
-  expected = (target[2] if sampling is SAMPLING
-              else _joint_law(target[3], sampling))
+  expected = (target[2] if sampling is SAMPLING and not hook
+              else _joint_law(target[3], sampling, hook))
+  if hook:
+    kw = dict(kw, allowed_tokens=no_repeat_no_five)
   mutate(monkeypatch)
   jax.clear_caches()  # re-trace with the mutation in place
   try:
@@ -403,3 +454,83 @@ def test_the_check_catches_mutations(target, mutation, monkeypatch):
     jax.clear_caches()  # never let a mutated trace serve another test
   stat, crit = chi_square(cells, expected)
   assert stat > crit, (stat, crit)
+
+
+def _cut_at_stops(expected, stops):
+  """``(law of the output cut at the first stop, cell of each 4-tuple)``:
+  the joint law of the first four tokens pushed through the cut (a stop
+  sequence ends the output where it ends, kept); outputs are padded with
+  V and numbered base V + 1."""
+  V = expected.shape[0]
+  tuples = np.stack(np.unravel_index(np.arange(V ** 4), (V,) * 4), 1)
+  ends = np.full(len(tuples), 4)
+  for stop in stops:
+    for j in range(len(stop) - 1, 4):
+      hit = np.all(tuples[:, j - len(stop) + 1:j + 1] == stop, axis=1)
+      ends = np.where(hit & (ends > j + 1), j + 1, ends)
+  cut = np.where(np.arange(4)[None, :] < ends[:, None], tuples, V)
+  cells = np.ravel_multi_index(cut.T, (V + 1,) * 4)
+  return np.bincount(cells, weights=expected.ravel(),
+                     minlength=(V + 1) ** 4), cells
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("name", ["ar", *OPTION_DRAFTERS])
+def test_stop_position_follows_the_target(target, name):
+  """Invariant: with stop sequences (one token; two tokens, which can span
+  the prefill's token and a verify block) at T > 0, the output cut at the
+  first stop follows the joint law pushed through the cut (chi-square as
+  the module's): where a stop lands, including inside an accepted block
+  or at a tree node, is the target's."""
+  stat, crit, stopped, early = _stop_check(target, name)
+  assert stat < crit, (stat, crit)
+  assert 0.1 < stopped < 0.9 and early > 0.1, (stopped, early)
+
+
+@pytest.mark.long
+def test_the_stop_check_catches_a_stop_seen_only_at_block_ends(
+    target, monkeypatch):
+  """Invariant (mutation check): the stop check FAILS for an engine that
+  sees a stop only where it ends a verify block (one inside an accepted
+  block goes on)."""
+  seen = engine._stop_ends
+
+  def at_block_end(state, tokens_BT, dcfg):
+    last_1T = jnp.arange(tokens_BT.shape[1])[None, :] == tokens_BT.shape[1] - 1
+    return seen(state, tokens_BT, dcfg) & last_1T
+  monkeypatch.setattr(engine, "_stop_ends", at_block_end)
+  jax.clear_caches()
+  try:
+    stat, crit, _, _ = _stop_check(target, OPTION_DRAFTERS[0])
+  finally:
+    jax.clear_caches()
+  assert stat > crit, (stat, crit)
+
+
+def _stop_check(target, name):
+  """(statistic, critical value) of the stop-position check, the fraction
+  of rows a stop ended and, of those, the fraction ended before token 4."""
+  cfg, params, expected = target[:3]
+  V = cfg.vocab_size
+  second = expected.sum(axis=(0, 2, 3))  # token 2's marginal
+  pair = np.unravel_index(np.argmax(expected.sum(axis=(2, 3))), (V, V))
+  stops = ((int(np.argmax(second)),), tuple(map(int, pair)))
+  law, _ = _cut_at_stops(expected, stops)
+  drafter, dparams, kw = ((None, None, {}) if name == "ar"
+                          else fast_drafters(target)[name])
+  L = len(PROMPT)
+  dcfg = engine.DecodeConfig(capacity=32, sampling=SAMPLING, drafter=drafter,
+                             num_draft=K if drafter else 0,
+                             stop_sequences=stops, **kw)
+  st = engine.generate_jit(params, jnp.tile(jnp.asarray([PROMPT], jnp.int32),
+                                            (N, 1)),
+                           jnp.full((N,), L, jnp.int32), jax.random.key(5),
+                           np.int32(NEW), target=Decoder(cfg), dcfg=dcfg,
+                           drafter_params=dparams)
+  num = np.asarray(st.num_tokens) - L
+  tokens = np.where(np.arange(NEW)[None, :] < num[:, None],
+                    np.asarray(st.tokens[:, L:L + NEW]), V)
+  stopped = np.asarray(st.stop_reason) == engine.STOP_SEQUENCE
+  cells = np.ravel_multi_index(tokens.T, (V + 1,) * NEW)
+  return (*chi_square(cells, law / law.sum()), stopped.mean(),
+          (num[stopped] < NEW).mean())

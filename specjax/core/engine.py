@@ -46,9 +46,9 @@ from flax import struct
 from specjax.core import sharding, tree as trees
 from specjax.core.cache import KVCache
 from specjax.core.rows import at_rows, set_at_rows
-from specjax.core.sampling import (History, RowSampling, Sampler,
-                                   SamplingParams, draw, require_int, split,
-                                   warp)
+from specjax.core.sampling import (Allowed, AllowedTokens, History,
+                                   RowSampling, Sampler, SamplingParams, draw,
+                                   require_int, split, warp)
 from specjax.core.verify import verify_chain
 from specjax.drafters.base import Context, Drafter, TreeDrafter
 from specjax.models.target import ForwardOutput, Target, missing_members
@@ -90,6 +90,11 @@ class DecodeConfig:
       many tokens (``prefill``), so the prefill's attention scores are
       ``[B, N, chunk, S]``, never ``[B, N, Tp, S]``: memory linear in the
       prompt.
+    allowed_tokens: a hook (``sampling.AllowedTokens``, hashable: a
+      function) saying which tokens each row may generate next from its
+      context; applied to the target and to sampled drafts at every
+      position, along each drafted prefix and tree path. A position where
+      it allows nothing ends the row (``STOP_NONFINITE``).
   """
   capacity: int
   sampling: SamplingParams = SamplingParams()
@@ -100,12 +105,17 @@ class DecodeConfig:
   tree_nodes: int = 0
   mesh: Optional[jax.sharding.Mesh] = None
   prefill_chunk: int = 512
+  allowed_tokens: Optional[AllowedTokens] = None
 
   def __post_init__(self):
     for name in ("capacity", "num_draft", "tree_nodes", "prefill_chunk"):
       require_int(name, getattr(self, name))
     if self.prefill_chunk < 1:
       raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+    if self.allowed_tokens is not None and not callable(self.allowed_tokens):
+      raise TypeError(f"allowed_tokens must be a function (tokens, "
+                      f"num_tokens, prompt_lengths) -> bool[B, V], got "
+                      f"{self.allowed_tokens!r}")
     for seq in self.stop_sequences:
       if not (isinstance(seq, tuple) and seq and all(
           isinstance(t, int) and not isinstance(t, bool) and t >= 0
@@ -160,7 +170,8 @@ class DecodeState:
     num_tokens: ``int32[B]`` valid entries of ``tokens``.
     logprobs: ``f32[B, S]`` aligned with ``tokens``: each generated token's
       log-probability under the distribution it was sampled from (the
-      target's after temperature, top-k and top-p: 0 for greedy's argmax);
+      target's after every sampling option, ``sampling.warp``: 0 for
+      greedy's argmax);
       0 at prompt positions. A speculative token's is the target's at its
       position, read from the verify forward that scored it.
     raw_logprobs: ``f32[B, S]`` the same tokens under the target's own
@@ -225,12 +236,16 @@ class DecodeState:
 
   def sampler(self, dcfg: DecodeConfig, vocab_size: int) -> Sampler:
     """What the next position is warped with: the program, each row's
-    values and, with penalties, each row's committed history."""
-    history = None
+    values, with penalties each row's committed history, and the
+    allowed-token hook with each row's context."""
+    history = allowed = None
     if dcfg.sampling.penalized:
       history = History.of(self.tokens, self.num_tokens, self.prompt_lengths,
                            vocab_size)
-    return Sampler(dcfg.sampling, self.sampling, history)
+    if dcfg.allowed_tokens is not None:
+      allowed = Allowed(dcfg.allowed_tokens, self.tokens, self.num_tokens,
+                        self.prompt_lengths)
+    return Sampler(dcfg.sampling, self.sampling, history, allowed)
 
 
 def _laid_out(state: DecodeState, target: Target,
@@ -301,6 +316,18 @@ def _verify_forward(params, target: Target, block_BT, cache, taps, width: int,
   return out.replace(logits=pad(out.logits, 1),
                      taps=None if out.taps is None else pad(out.taps, 2),
                      new_kv=jax.tree.map(lambda a: pad(a, 1), out.new_kv))
+
+
+def _nothing_allowed(logits_BTV: jax.Array, sampler: Sampler) -> jax.Array:
+  """NaN at each position where the allowed-token hook allows no token:
+  the non-finite cut then ends the row there (``STOP_NONFINITE``), as a
+  position with no distribution to sample."""
+  if sampler.allowed is None:
+    return logits_BTV
+  none_BT = ~jnp.any(sampler.allowed.mask(), axis=-1)
+  if none_BT.ndim == 1:  # one position per row (the prefill's)
+    none_BT = none_BT[:, None]
+  return jnp.where(none_BT[..., None], jnp.nan, logits_BTV)
 
 
 def _finite(logits_BTV: jax.Array) -> jax.Array:
@@ -454,9 +481,10 @@ def prefill(params, prompt_BT: jax.Array,
   # The first token: sampled from the prompt's last logits and emitted as
   # a block of one (EOS, stop sequences and the budget as in a step).
   key, sub = split(key)
-  ok_B = _finite(out.logits)[:, 0] & ~bad_B
-  logits_B1V = _usable_logits(out.logits, ok_B[:, None])
   sampler = state.sampler(dcfg, V)
+  logits_B1V = _nothing_allowed(out.logits, sampler)
+  ok_B = _finite(logits_B1V)[:, 0] & ~bad_B
+  logits_B1V = _usable_logits(logits_B1V, ok_B[:, None])
   q_B1V = warp(_mask_eos(logits_B1V, zeros_B[:, None], state.min_new_tokens,
                          dcfg), sampler)
   first_B1 = draw(q_B1V, sampler, sub)
@@ -591,18 +619,22 @@ def _verify(state: DecodeState, draft: _Draft, logits_BWV: jax.Array,
   """Exact verification of the draft against the target's logits, after
   the non-finite cut (module doc): ``(result, path, log-probs, rows that
   stop)``. Each position is warped with ``sampler`` along its path (the
-  penalties count the drafts before it). ``path`` is the block position each emitted token was scored
-  at (a tree's accepted nodes by depth; None for a chain: its first
+  penalties count the drafts before it, the allowed-token hook reads
+  them). ``path`` is the block position each emitted token was scored at
+  (a tree's accepted nodes by depth; None for a chain: its first
   positions); log-probs are ``_token_logprobs``' of the result's tokens."""
   new_B1 = state.num_new_tokens[:, None]
+  B, W = draft.block.shape
+  anc_BWW = (jnp.broadcast_to(jnp.tri(W, dtype=bool), (B, W, W))
+             if draft.tree is None else draft.anc)
+  at_block = sampler.along(draft.block, anc_BWW)
+  logits_BWV = _nothing_allowed(logits_BWV, at_block)
   if draft.tree is None:
     logits, num_drafted_B, nonfinite_B = _chain_cut(
         logits_BWV, draft.num_drafted, live_B)
-    W = logits.shape[1]
     new_BW = new_B1 + jnp.arange(W)[None, :]
-    chain_BWW = jnp.broadcast_to(jnp.tri(W, dtype=bool), (len(new_B1), W, W))
     q_BWV = warp(_mask_eos(logits, new_BW, state.min_new_tokens, dcfg),
-                 sampler.along(draft.block, chain_BWW))
+                 at_block)
     res = verify_chain(draft.block[:, 1:], draft.probs, q_BWV, num_drafted_B,
                        key, greedy=dcfg.sampling.greedy)
     path_BK1 = None
@@ -613,7 +645,7 @@ def _verify(state: DecodeState, draft: _Draft, logits_BWV: jax.Array,
                                           live_B)
     new_BW = new_B1 + trees.depths(draft.anc)
     q_BWV = warp(_mask_eos(logits, new_BW, state.min_new_tokens, dcfg),
-                 sampler.along(draft.block, draft.anc))
+                 at_block)
     res = trees.verify_tree(tree, draft.anc, q_BWV, key, sampler, dcfg.k)
     path_BK1 = at_BK1 = res.path
   return (res, path_BK1, _token_logprobs(logits, q_BWV, at_BK1, res.tokens),

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from specjax.core import bucketing, engine, sharding
-from specjax.core.sampling import (RowSampling, SamplingParams, require_int,
-                                   seed_key)
+from specjax.core.sampling import (AllowedTokens, RowSampling, SamplingParams,
+                                   require_int, seed_key)
 from specjax.drafters.base import AR, Method
 from specjax.models.registry import Model
 
@@ -215,7 +215,9 @@ def generate_ids(model: Model, prompts: Sequence[Sequence[int]], *,
                  sampling: Sampling = SamplingParams(), seed: int = 0,
                  method: Method = AR, min_new_tokens: int | Sequence[int] = 0,
                  stop: Sequence[Sequence[int]] = (), num_samples: int = 1,
-                 first_prompt: int = 0) -> BatchResult:
+                 first_prompt: int = 0,
+                 allowed_tokens: Optional[AllowedTokens] = None
+                 ) -> BatchResult:
   """Generates for a batch of token-id prompts in one compiled call, with
   ``method`` (``methods.build``; default AR).
 
@@ -229,7 +231,8 @@ def generate_ids(model: Model, prompts: Sequence[Sequence[int]], *,
   mixing them) share one compile. ``max_new_tokens`` and
   ``min_new_tokens`` are one for all prompts or one per prompt (``DecodeState``'s); ``stop`` holds token
   sequences that end a row where one is generated
-  (``DecodeConfig.stop_sequences``).
+  (``DecodeConfig.stop_sequences``); ``allowed_tokens`` a hook saying which
+  tokens a row may generate next (``DecodeConfig.allowed_tokens``).
 
   Each (batch, prompt bucket, capacity, config) shape is compiled once per
   process, ahead of the timed call, so ``wall_s`` never includes compilation.
@@ -238,7 +241,7 @@ def generate_ids(model: Model, prompts: Sequence[Sequence[int]], *,
   """
   rows, args, kw, dcfg = _prepare(
       model, prompts, max_new_tokens, sampling, seed, method, min_new_tokens,
-      stop, num_samples, first_prompt)
+      stop, num_samples, first_prompt, allowed_tokens)
   start = time.perf_counter()
   run = _compiled(args, kw, model, dcfg)
   compile_s = time.perf_counter() - start
@@ -256,14 +259,16 @@ def stream_ids(model: Model, prompts: Sequence[Sequence[int]],
                sampling: Sampling = SamplingParams(), seed: int = 0,
                method: Method = AR, min_new_tokens: int | Sequence[int] = 0,
                stop: Sequence[Sequence[int]] = (), num_samples: int = 1,
-               first_prompt: int = 0) -> BatchResult:
+               first_prompt: int = 0,
+               allowed_tokens: Optional[AllowedTokens] = None
+               ) -> BatchResult:
   """``generate_ids`` one step at a time (``engine.stream``: the same jitted
   step): after the prefill and after every step, ``on_tokens`` gets each
   row's newly committed token ids. The same tokens as ``generate_ids``;
   ``wall_s`` includes compiling the prefill and step (``compile_s`` 0)."""
   rows, args, kw, dcfg = _prepare(
       model, prompts, max_new_tokens, sampling, seed, method, min_new_tokens,
-      stop, num_samples, first_prompt)
+      stop, num_samples, first_prompt, allowed_tokens)
   lengths = sharding.to_host(args[2])
   shown = lengths.copy()
   start = time.perf_counter()
@@ -332,7 +337,8 @@ def row_keys(seed: int, prompt_index: Sequence[int],
 
 
 def _prepare(model, prompts, max_new_tokens, sampling, seed, method: Method,
-             min_new_tokens=0, stop=(), num_samples=1, first_prompt=0):
+             min_new_tokens=0, stop=(), num_samples=1, first_prompt=0,
+             allowed_tokens=None):
   """Checked, padded, placed arguments of ``engine.generate``: ``(rows,
   args, keyword args, dcfg)``, ``rows`` the ``(prompt ids, prompt index,
   sample index)`` of each row."""
@@ -361,7 +367,8 @@ def _prepare(model, prompts, max_new_tokens, sampling, seed, method: Method,
   prompt_BT, lengths_B = bucketing.pad_prompts(prompts, pad_id)
   dcfg = dataclasses.replace(
       decode_config(model, prompt_BT.shape[1], int(budgets.max()), program,
-                    method), stop_sequences=stops)
+                    method), stop_sequences=stops,
+      allowed_tokens=allowed_tokens)
   check_context(model, lengths_B, budgets, dcfg.block)
   check_memory(model, len(prompts), dcfg.capacity, prompt_BT.shape[1],
                dcfg.block)

@@ -23,6 +23,7 @@ Tunix's loss computes for the actor.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Any, Callable, Optional
 
@@ -36,7 +37,7 @@ from specjax.core import bucketing, engine
 from specjax.core.runner import row_keys
 from specjax.core.sampling import SamplingParams
 from specjax.drafters.base import AR, Method
-from specjax.kernels import native
+from specjax.kernels import native as native_kernels
 from specjax.models.config import ModelConfig
 from specjax.models.decoder import (Decoder, DecoderParams, LayerParams,
                                     fuse_qkv, pack_params)
@@ -114,7 +115,7 @@ class SpecjaxRollout(base_rollout.BaseRollout):
     self._method = method
     self._drafter_params = (method.params if drafter_params is None
                             else drafter_params)
-    on = native if native is not None else native_default()
+    on = native_kernels.default_on(jnp.float32) if native is None else native
     self._convert = jax.jit(lambda s: (pack_params if on else (lambda p: p))(
         to_params(s)))
     self._seed = seed
@@ -200,36 +201,22 @@ class SpecjaxRollout(base_rollout.BaseRollout):
                              self._temperature, target=self._target)
 
 
-def native_default() -> bool:
-  return native.default_on(jnp.float32)
-
-
-@jax.jit
-def _roll_rows(x_BS, shift_B):
-  return jax.vmap(lambda row, s: jnp.roll(row, -s))(x_BS, shift_B)
-
-
-def _completion_logps(params, prompt_BP, completion_BT, pad_id: int,
-                      temperature: float, *, target):
-  B, P = prompt_BP.shape
-  T = completion_BT.shape[1]
+@functools.partial(jax.jit, static_argnames=("target",))
+def _completion_logps(params, prompt_BP, completion_BT, pad_id, temperature,
+                      *, target):
+  """``SpecjaxRollout.get_per_token_logps``: each row's prompt moved left
+  over its padding, its completion after it, one forward from an empty
+  cache."""
+  P, T = prompt_BP.shape[1], completion_BT.shape[1]
   pads_B = jnp.sum(jnp.cumprod(prompt_BP == pad_id, axis=1), axis=1)
-  seq = _roll_rows(jnp.concatenate([prompt_BP, completion_BT], 1), pads_B)
-  return _logps_jit(params, seq, P - pads_B, completion_BT != pad_id,
-                    temperature, target=target)
-
-
-def _logps(params, seq_BS, prompt_len_B, valid_BT, temperature, *, target):
-  B, S = seq_BS.shape
-  T = valid_BT.shape[1]
-  cache = target.init_cache(params, B, bucketing.bucket_length(S))
+  seq_BS = jax.vmap(lambda row, s: jnp.roll(row, -s))(
+      jnp.concatenate([prompt_BP, completion_BT], 1), pads_B)
+  cache = target.init_cache(params, len(seq_BS),
+                            bucketing.bucket_length(P + T))
   logits = target.forward(params, seq_BS, cache).logits / temperature
-  at_BT = prompt_len_B[:, None] - 1 + jnp.arange(T)[None, :]
+  at_BT = (P - pads_B)[:, None] - 1 + jnp.arange(T)[None, :]
   tok_BT = jnp.take_along_axis(seq_BS, at_BT + 1, axis=1)
-  lp = jnp.take_along_axis(
+  lp_BT = jnp.take_along_axis(
       jax.nn.log_softmax(jnp.take_along_axis(logits, at_BT[..., None], 1)),
       tok_BT[..., None], -1)[..., 0]
-  return jnp.where(valid_BT, lp, 0.0)
-
-
-_logps_jit = jax.jit(_logps, static_argnames=("target",))
+  return jnp.where(completion_BT != pad_id, lp_BT, 0.0)
