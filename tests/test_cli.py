@@ -6,11 +6,14 @@ cover the entry point itself.
 """
 
 import json
+import pathlib
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+
+import specjax
 
 _RUN = ("import sys; import specjax.assets as a; {patch}; "
         "from specjax.cli.main import main; sys.exit(main(sys.argv[1:]))")
@@ -430,3 +433,33 @@ def test_methods_take_their_own_knobs_on_the_command_line(capsys):
   help_text = " ".join(_main(capsys, "bench", "--help").stdout.split())
   for key, field in KNOBS.items():
     assert field not in _FLAGS or f"{key}: {_FLAGS[field]}" in help_text
+
+
+@pytest.mark.parametrize("fmt", ["specforge", "speculators"])
+def test_an_exported_head_directory_drafts_as_the_head_file(capsys, tmp_path,
+                                                            fmt):
+  """Invariant: ``specjax export-head`` writes the shipped EAGLE-3 head in
+  the layout, and ``generate --head DIR`` drafts with it exactly as with
+  the file (same greedy tokens, the same acceptance), saying once which
+  tap convention it read; a directory of another architecture is one
+  usage error."""
+  from specjax.drafters.methods import SHIPPED_HEADS
+  head = str(pathlib.Path(specjax.__file__).parent
+             / SHIPPED_HEADS[("smollm2-135m", "eagle3")])
+  out = tmp_path / fmt
+  proc = _main(capsys, "export-head", head, "--format", fmt, "--out",
+               str(out))
+  assert proc.returncode == 0 and str(out) in proc.stdout, proc.stderr
+  run = lambda h: _main(capsys, "generate", "--max-new-tokens", "24",
+                        "--prompt", "Name three colors.", "--method",
+                        "eagle3", "--head", h, "--json")
+  want, got = run(head), run(str(out))
+  assert got.returncode == 0, got.stderr
+  keys = ("output_ids", "accepted_at", "target_forwards")
+  assert ({k: json.loads(got.stdout)[k] for k in keys}
+          == {k: json.loads(want.stdout)[k] for k in keys})
+  assert "read as capture-before" in got.stderr
+  conf = json.loads((out / "config.json").read_text())
+  conf["architectures"] = ["MistralForCausalLM"]
+  (out / "config.json").write_text(json.dumps(conf))
+  _assert_usage_error(run(str(out)), "neither LlamaForCausalLMEagle3")

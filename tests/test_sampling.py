@@ -110,6 +110,24 @@ def test_warp_matches_transformers_warpers(temperature, top_k, top_p, min_p):
   assert not changed[:8].any()
 
 
+@pytest.mark.parametrize("temperature,top_p,min_p", [
+    (t, p, m) for t, k, p, m in GRID if p < 1 and k == 0])
+def test_top_p_searched_over_the_vocabulary_matches_too(
+    temperature, top_p, min_p, monkeypatch):
+  """Invariant: when the most likely tokens hold less than top_p (here
+  one candidate, so nearly always), the cut searched over the whole
+  vocabulary (``_mass_cut``, no sort) gives the same distribution as
+  transformers' sorted rule (as above: 1e-6, the same support)."""
+  from specjax.core import sampling
+  monkeypatch.setattr(sampling, "TOP_P_CANDIDATES", 1)
+  logits = _parity_rows()
+  sp = SamplingParams(temperature, 0, top_p, min_p)
+  ours = np.asarray(jax.jit(lambda x: warp(x, sp))(jnp.asarray(logits)))
+  ref, _ = _tie_closed_reference(logits, sp)
+  np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-6)
+  np.testing.assert_array_equal(ours > 0, ref > 0)
+
+
 def test_top_p_keeps_the_whole_tie_group_at_the_cut():
   """Invariant: a top-p cut inside a group of equal probabilities keeps the
   whole group (specjax's documented rule), and this is exactly where

@@ -15,6 +15,7 @@ import re
 import sys
 import textwrap
 import time
+import warnings
 
 import jinja2
 from typing import Optional, Sequence
@@ -131,6 +132,18 @@ def _build_parser() -> argparse.ArgumentParser:
                     "coordinator's address, N and this process's index. "
                     "--mesh / --set mesh= then span every process's devices; "
                     "process 0 prints and writes the results")
+
+  e = sub.add_parser("export-head", help="write an EAGLE-3 head in the "
+                     "SpecForge/SGLang or vLLM speculators layout")
+  e.add_argument("head", help="a specjax head file (.npz)")
+  e.add_argument("--format", required=True,
+                 choices=("specforge", "speculators"),
+                 help="specforge: SafeAILab/SpecForge/SGLang (midlayer.*); "
+                 "speculators: vLLM's (layers.0.*)")
+  e.add_argument("--out", required=True, help="the directory to write")
+  e.add_argument("--target-name", default="",
+                 help="the target's name or path, for the speculators "
+                 "verifier entry")
 
   d = sub.add_parser("demo", help="SmolLM2 decoding demo (the README's main job)")
   d.add_argument("--max-new-tokens", type=int, default=96)
@@ -725,13 +738,41 @@ def error_line(e: Exception) -> str:
       c if c.isprintable() else ascii(c)[1:-1] for c in str(e))
 
 
+def _notes_as_lines(show):
+  """``warnings.showwarning`` printing a ``HeadNote`` (what loading a head
+  directory assumed) as one ``specjax: note:`` line."""
+  def note_or_warning(message, category, *args, **kw):
+    if category.__name__ == "HeadNote":
+      print(f"specjax: note: {message}", file=sys.stderr)
+    else:
+      show(message, category, *args, **kw)
+  return note_or_warning
+
+
+def cmd_export_head(args) -> int:
+  from specjax.heads.export import load_head
+  from specjax.heads.interop import export_head
+  try:
+    cfg, params, draft_ids = load_head(args.head)
+    out = export_head(args.out, cfg, params, draft_ids, args.format,
+                      target_name=args.target_name)
+  except ValueError as e:
+    raise UsageError(str(e)) from None
+  except OSError as e:
+    raise UsageError(f"cannot write {args.out!r}: {e}") from None
+  print(f"wrote {out} ({args.format} layout)")
+  return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
   try:
     args = _build_parser().parse_args(argv)
     if vars(args).get("distributed"):
       _join(args.distributed)
+    warnings.showwarning = _notes_as_lines(warnings.showwarning)
     return {"generate": cmd_generate, "bench": cmd_bench, "tune": cmd_tune,
-            "train": cmd_train, "demo": cmd_demo}[args.command](args)
+            "train": cmd_train, "export-head": cmd_export_head,
+            "demo": cmd_demo}[args.command](args)
   except (UsageError, DoesNotFit) as e:  # DoesNotFit: found at the shapes
     print(error_line(e), file=sys.stderr)
     return EXIT_USAGE

@@ -395,7 +395,11 @@ def head_id(model_name: str, spec: MethodSpec) -> Optional[str]:
   import hashlib
   import pathlib
   path = pathlib.Path(head_file(model_name, spec))
-  return f"{path.name}@{hashlib.sha256(path.read_bytes()).hexdigest()[:12]}"
+  digest = hashlib.sha256()
+  for f in (sorted(p for p in path.iterdir() if p.is_file())
+            if path.is_dir() else [path]):  # a head directory: every file
+    digest.update(f.read_bytes())
+  return f"{path.name}@{digest.hexdigest()[:12]}"
 
 
 def _head(model: "Model", spec: MethodSpec):

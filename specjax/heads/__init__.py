@@ -1,7 +1,8 @@
 """Draft heads for decoding: what they share (``base``: ``HeadConfig``, the
 packed dense layer), the EAGLE-3 and EAGLE-1 modules (``eagle``), Medusa
 (``medusa``), their portable files (``export``: ``load_head``,
-``save_head``) and draft vocabularies (``vocab``); the heads specjax ships
+``save_head``), the ecosystem's EAGLE-3 layouts (``interop``: SpecForge/
+SGLang and vLLM speculators) and draft vocabularies (``vocab``); the heads specjax ships
 sit beside them as ``.npz``. Nothing here imports the trainer
 (``specjax.training``)."""
 

@@ -198,7 +198,7 @@ def pack_head(params):
   """A head's parameters with every matmul weight (every 2-D leaf: a head
   holds no other) packed for the native CPU matmul (``kernels.native``), as
   ``decoder.pack_params`` does the target's: for drafting on a packed
-  target. Inference only (no VJP). Weights that bf16 holds exactly (the
+  target. Weights that bf16 holds exactly (the
   shipped head's, stored in bf16) get bf16 panels: drafting reads half the
   bytes and computes the same f32 products."""
   kernels = [x for x in jax.tree_util.tree_leaves(params) if x.ndim == 2]

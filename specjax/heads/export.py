@@ -48,8 +48,17 @@ def save_head(path, cfg: HeadConfig, params, draft_ids, dtype=jnp.bfloat16):
   tmp.replace(path)
 
 
+class HeadNote(UserWarning):
+  """What loading a head from another layout assumed (``interop``)."""
+
+
 def load_head(path, target: ModelConfig | None = None):
-  """``(HeadConfig, params (f32), draft_ids)``; checks fit to ``target``."""
+  """``(HeadConfig, params (f32), draft_ids)``; checks fit to ``target``.
+  A directory is an EAGLE-3 head in the SpecForge or speculators layout
+  (``interop.import_head``; it needs ``target``), whose assumptions come
+  as ``HeadNote`` warnings."""
+  if pathlib.Path(path).is_dir():
+    return _load_dir(path, target)
   try:
     z = np.load(path)
   except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
@@ -79,6 +88,19 @@ def load_head(path, target: ModelConfig | None = None):
   if target is not None:
     cfg.check_fits(target)
   return cfg, params, draft_ids
+
+
+def _load_dir(path, target: ModelConfig | None):
+  import warnings
+  from specjax.heads.interop import import_head
+  if target is None:
+    raise ValueError(f"head directory {str(path)!r}: loading it needs the "
+                     f"target's config")
+  cfg, params, draft_ids, notes = import_head(path, target)
+  for note in notes:
+    warnings.warn(f"head {str(path)!r}: {note}", HeadNote, stacklevel=3)
+  return (cfg, jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params),
+          jnp.asarray(draft_ids))
 
 
 def fused_layer(params, cfg: HeadConfig):
