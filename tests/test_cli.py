@@ -191,7 +191,7 @@ def _load_each_model_once(monkeypatch):
       "/tmp/x", "--set", "rows_bucket=0"), ["rows_bucket must be >= 1"]),
     (("train", "--config", "configs/eagle3_smollm2.py", "--workdir",
       "/tmp/x", "--set", "init_head=/no/such.npz"),
-     ["init_head: no file '/no/such.npz'"]),
+     ["init_head: no head file or directory '/no/such.npz'"]),
     *((("train", "--config", "configs/eagle3_smollm2.py", "--workdir",
         "/tmp/x", "--set", setting), [words]) for setting, words in (
             ("keep=0", "keep must be >= 1"),

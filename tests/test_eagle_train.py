@@ -103,14 +103,25 @@ def test_init_head_continues_from_an_exported_head(tiny_model, tmp_path):
   """Invariants: a run started from an exported head begins at that head's
   (bf16-stored) parameters and draft vocabulary, whatever its own Vd
   setting says, and trains on from there; a head of the other variant is
-  refused by name."""
+  refused by name. With ``export`` the run also writes the head in the
+  SpecForge and speculators layouts, and a run started from either
+  directory begins at the trained (f32) parameters exactly."""
   import jax
   from specjax.heads.export import load_head
   ex = _examples()
-  first = etrain.train(dataclasses.replace(CFG, steps=2), tmp_path / "a",
-                       model=tiny_model, examples=ex, progress=False)
+  first = etrain.train(dataclasses.replace(CFG, steps=2,
+                                           export="specforge,speculators"),
+                       tmp_path / "a", model=tiny_model, examples=ex,
+                       progress=False)
   head = tmp_path / "a" / "head.npz"
   _, saved, ids = load_head(head)
+  for fmt in ("specforge", "speculators"):
+    s = etrain.setup(dataclasses.replace(
+        CFG, steps=2, init_head=str(tmp_path / "a" / f"head-{fmt}")),
+        model=tiny_model, examples=ex, progress=False)
+    np.testing.assert_array_equal(s.vocab.ids, ids)
+    jax.tree.map(np.testing.assert_array_equal, s.params,
+                 jax.device_get(first.params))
   cfg = dataclasses.replace(CFG, steps=2, draft_vocab=20,
                             init_head=str(head))
   s = etrain.setup(cfg, model=tiny_model, examples=ex, progress=False)

@@ -83,10 +83,14 @@ class TrainConfig:
     init_layer: "random" (normal(0.02) layer weights) or "target": an
       EAGLE-3 head's layer starts as the target layer its high tap feeds
       (``warm_layer``).
-    init_head: a head file (``export.save_head``) to start from, its
+    init_head: a head file (``export.save_head``) or an EAGLE-3 head
+      directory in the SpecForge or speculators layout to start from, its
       parameters and draft vocabulary, instead of the warm-started random
       init: a run continued on another machine (a GPU lease returns the
       head, not the optimizer state, which starts afresh).
+    export: ``"specforge"``, ``"speculators"`` or both, comma-separated:
+      the finished EAGLE-3 head also goes to ``workdir/head-FORMAT/`` in
+      that layout (``heads.interop``), for SGLang/SpecForge or vLLM.
     mesh: "" trains on one device; ``"data=8"`` or ``"data=4,model=2"``
       (``sharding.make_mesh``) trains data-parallel over the mesh: each
       batch split over ``data``, the frozen target laid out as for decoding
@@ -124,6 +128,7 @@ class TrainConfig:
   init_layer: str = "random"
   init_head: str = ""
   mesh: str = ""
+  export: str = ""
 
   def __post_init__(self):
     if self.variant not in VARIANTS:
@@ -134,6 +139,14 @@ class TrainConfig:
                        f"{self.init_layer!r}")
     if self.init_layer == "target" and self.variant != "eagle3":
       raise ValueError("init_layer=target is for EAGLE-3 heads")
+    from specjax.heads.interop import FORMATS
+    for fmt in filter(None, self.export.split(",")):
+      if fmt not in FORMATS:
+        raise ValueError(f"export must name formats among "
+                         f"{', '.join(FORMATS)}, got {fmt!r}")
+      if self.variant != "eagle3":
+        raise ValueError(f"export={fmt} is for EAGLE-3 heads, not "
+                         f"{self.variant}")
     for name in ("max_len", "batch_size", "steps", "ttt_steps", "medusa_heads",
                  "ttt_warm_steps", "draft_vocab", "rows_bucket", "log_every",
                  "num_conversations", "regen_max_new_tokens"):
@@ -157,8 +170,9 @@ class TrainConfig:
         ("ttt_warm_fraction", lambda v: 0 <= v <= 1, "in [0, 1]")):
       if not ok(getattr(self, name)):  # NaN fails every rule
         raise ValueError(f"{name} must be {rule}, got {getattr(self, name)}")
-    if self.init_head and not pathlib.Path(self.init_head).is_file():
-      raise ValueError(f"init_head: no file {self.init_head!r}")
+    if self.init_head and not pathlib.Path(self.init_head).exists():
+      raise ValueError(f"init_head: no head file or directory "
+                       f"{self.init_head!r}")
 
   def ttt_at(self, step: int) -> int:
     warm = step < int(self.ttt_warm_fraction * self.steps)
@@ -188,7 +202,8 @@ def override(cfg: TrainConfig, assignments: list[str]) -> TrainConfig:
 # Fields a resume may change freely: where the run computes (its mesh) and
 # its bookkeeping (how often it logs and saves, how many checkpoints it
 # keeps). Any other field changes what is trained.
-FREE_ON_RESUME = frozenset({"mesh", "log_every", "checkpoint_every", "keep"})
+FREE_ON_RESUME = frozenset({"mesh", "log_every", "checkpoint_every", "keep",
+                            "export"})
 
 
 class ConfigChanged(ValueError):
@@ -621,8 +636,12 @@ def train(cfg: TrainConfig, workdir: str, *, model=None,
   mngr.wait_until_finished()
   # The head as one portable file, usable by `--method eagle3 --head`.
   if lead:
-    save_head(work / "head.npz", s.hcfg, sharding.to_host(state["params"]),
-              s.vocab.ids)
+    head = sharding.to_host(state["params"])
+    save_head(work / "head.npz", s.hcfg, head, s.vocab.ids)
+    from specjax.heads.interop import export_head
+    for fmt in filter(None, cfg.export.split(",")):
+      export_head(work / f"head-{fmt}", s.hcfg, head, s.vocab.ids, fmt,
+                  target_name=cfg.model)
   return Run(params=state["params"], losses=losses, step=end, setup=s,
              stopped=stopped)
 
