@@ -418,7 +418,8 @@ _FAST = ["ar", "chain", "trie", "draft_model", "sibling_tree"]
 
 
 @pytest.mark.parametrize("method,sampling", [
-    pytest.param(m, sp, id=f"{m}-{name}")
+    pytest.param(m, sp, id=f"{m}-{name}", marks=(
+        pytest.mark.long if name == "greedy_options" else ()))
     for m in _FAST for name, sp in _SAMPLINGS.items()] + [
     pytest.param(m, sp, id=f"{m}-{name}", marks=pytest.mark.long)
     for m in _EVERY for name, sp in list(_SAMPLINGS.items())[:2]])

@@ -136,7 +136,7 @@ def target(tmp_path_factory):
 
 
 def generate(target, drafter=None, drafter_params=None, seed=0,
-             sampling=SAMPLING, rows=None, **kw):
+             sampling=SAMPLING, rows=None, check_len=True, **kw):
   """The first NEW generated tokens of N rows as one cell index each, and
   the final state."""
   cfg, params = target[:2]
@@ -148,7 +148,8 @@ def generate(target, drafter=None, drafter_params=None, seed=0,
                            jnp.full((N,), L, jnp.int32), jax.random.key(seed),
                            np.int32(NEW), target=Decoder(cfg), dcfg=dcfg,
                            drafter_params=drafter_params, sampling=rows)
-  assert (np.asarray(st.num_tokens) == L + NEW).all()
+  if check_len:
+    assert (np.asarray(st.num_tokens) == L + NEW).all()
   tokens = np.asarray(st.tokens[:, L:L + NEW])
   return np.ravel_multi_index(tokens.T, (V,) * NEW), st
 
@@ -311,8 +312,9 @@ def _options_check(target, name, sampling, expected, per_row):
   return _check(target, drafter, dparams, kw, sampling, expected)
 
 
-@pytest.mark.parametrize("name,per_row", [(OPTION_DRAFTERS[0], False),
-                                          (OPTION_DRAFTERS[1], True)])
+@pytest.mark.parametrize("name,per_row", [
+    (OPTION_DRAFTERS[0], False),
+    pytest.param(OPTION_DRAFTERS[1], True, marks=pytest.mark.long)])
 def test_sampling_options_are_exact_under_speculation(target, options_law,
                                                       name, per_row):
   """Invariant: with the penalties (along each drafted prefix and tree
@@ -346,9 +348,8 @@ def test_each_sampling_option_is_exact(target, option, name):
   _options_check(target, name, sp, _joint_law(target[3], sp), False)
 
 
-@pytest.mark.parametrize("name", [
-    OPTION_DRAFTERS[0], pytest.param(OPTION_DRAFTERS[1],
-                                     marks=pytest.mark.long)])
+@pytest.mark.long
+@pytest.mark.parametrize("name", OPTION_DRAFTERS)
 def test_allowed_tokens_hook_is_exact(target, name):
   """Invariant: with an allowed-token hook that reads the context (no
   repeat of the last token: each drafted position's differs), a sampled
@@ -534,3 +535,69 @@ def _stop_check(target, name):
   cells = np.ravel_multi_index(tokens.T, (V + 1,) * NEW)
   return (*chi_square(cells, law / law.sum()), stopped.mean(),
           (num[stopped] < NEW).mean())
+
+
+def _closes_after(token):
+  """An allowed-token hook that allows nothing after ``token`` (everything
+  elsewhere): a row ends right after generating it."""
+  def hook(tokens_BS, num_tokens_B, prompt_lengths_B):
+    last_B1 = jnp.take_along_axis(tokens_BS, (num_tokens_B - 1)[:, None], 1)
+    return jnp.broadcast_to(last_B1 != token, (len(num_tokens_B), 16))
+  return hook
+
+
+def _closing_check(target, name):
+  """(statistic, critical value, fraction of rows the hook ended) for the
+  EAGLE chain or tree under a hook that closes after the most likely
+  second token: the law is the stop law of that one token (a row ends
+  right after it)."""
+  cfg, params, expected = target[:3]
+  token = int(np.argmax(expected.sum(axis=(0, 2, 3))))
+  law, _ = _cut_at_stops(expected, ((token,),))
+  drafter, dparams, kw = fast_drafters(target)[name]
+  L, V = len(PROMPT), cfg.vocab_size
+  cells, st = generate(target, drafter, dparams,
+                       allowed_tokens=_closes_after(token), check_len=False,
+                       **kw)
+  num = np.asarray(st.num_tokens) - L
+  tokens = np.where(np.arange(NEW)[None, :] < num[:, None],
+                    np.asarray(st.tokens[:, L:L + NEW]), V)
+  closed = np.asarray(st.stop_reason) == engine.STOP_NONFINITE
+  cells = np.ravel_multi_index(tokens.T, (V + 1,) * NEW)
+  return (*chi_square(cells, law / law.sum()), closed.mean())
+
+
+@pytest.mark.parametrize("name", [
+    OPTION_DRAFTERS[0], pytest.param(OPTION_DRAFTERS[1],
+                                     marks=pytest.mark.long)])
+def test_a_hook_that_closes_after_a_token_ends_rows_exactly(target, name):
+  """Invariant: where the hook allows nothing after a drafted token, the
+  draft is still verified (accepted: the row ends after it; rejected: the
+  target's correction), so the output follows the target cut right after
+  that token -- with a sampled chain, whose drafts would be biased if the
+  closed position's draft were dropped untested, and with a tree."""
+  stat, crit, closed = _closing_check(target, name)
+  assert stat < crit, (stat, crit)
+  assert 0.1 < closed < 0.9, closed
+
+
+@pytest.mark.long
+def test_the_closing_check_catches_a_draft_dropped_untested(
+    target, monkeypatch):
+  """Invariant (mutation check): the check FAILS for a chain step that
+  ends its drafts before a closed position (the draft there dropped
+  without its acceptance test, the bonus taken from the position
+  before)."""
+  cut = engine._chain_cut
+
+  def early(logits_BTV, num_draft_B):
+    usable, num_B, first_bad_B = cut(logits_BTV, num_draft_B)
+    return usable, jnp.minimum(num_B, jnp.maximum(first_bad_B - 1, 0)), \
+        first_bad_B
+  monkeypatch.setattr(engine, "_chain_cut", early)
+  jax.clear_caches()
+  try:
+    stat, crit, _ = _closing_check(target, OPTION_DRAFTERS[0])
+  finally:
+    jax.clear_caches()
+  assert stat > crit, (stat, crit)

@@ -99,9 +99,9 @@ def test_the_nonfinite_check_catches_a_missing_cut(tiny, monkeypatch):
   poisoned one, and the check above fails."""
   real = engine._chain_cut
 
-  def uncut(logits_BTV, num_draft_B, live_B):
-    logits, _, stops = real(logits_BTV, num_draft_B, live_B)
-    return logits, num_draft_B, stops
+  def uncut(logits_BTV, num_draft_B):
+    logits, _, _ = real(logits_BTV, num_draft_B)
+    return logits, num_draft_B, jnp.full_like(num_draft_B, logits.shape[1])
 
   monkeypatch.setattr(engine, "_chain_cut", uncut)
   jax.clear_caches()

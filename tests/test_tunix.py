@@ -11,26 +11,25 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.long
-tunix = pytest.importorskip("tunix", reason="make test-long installs it")
+import optax
+from flax import nnx
+from grain import python as grain
+from tunix.generate.tokenizer_adapter import TokenizerAdapter
+from tunix.models.llama3 import model as llama3
+from tunix.rl import common as tunix_common
+from tunix.rl import rl_cluster as rl
+from tunix.rl.grpo import grpo_learner as grpo
+from tunix.rl.rollout import base_rollout
+from tunix.tests import test_common
 
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
-from grain import python as grain  # noqa: E402
-from tunix.generate.tokenizer_adapter import TokenizerAdapter  # noqa: E402
-from tunix.models.llama3 import model as llama3  # noqa: E402
-from tunix.rl import common as tunix_common  # noqa: E402
-from tunix.rl import rl_cluster as rl  # noqa: E402
-from tunix.rl.grpo import grpo_learner as grpo  # noqa: E402
-from tunix.rl.rollout import base_rollout  # noqa: E402
-from tunix.tests import test_common  # noqa: E402
-
-from specjax.core import bucketing, engine  # noqa: E402
-from specjax.core.runner import row_keys  # noqa: E402
-from specjax.core.sampling import SamplingParams  # noqa: E402
-from specjax.drafters import AR, Method, NGramDrafter  # noqa: E402
-from specjax.integrations.tunix import (SpecjaxRollout, llama3_params,  # noqa: E402
+from specjax.core import bucketing, engine
+from specjax.core.runner import row_keys
+from specjax.core.sampling import SamplingParams
+from specjax.drafters import AR, Method, NGramDrafter
+from specjax.integrations.tunix import (SpecjaxRollout, llama3_params,
                                         llama3_target)
+
+pytestmark = pytest.mark.long  # conftest: collected by long runs only
 
 PROMPTS = ["input string", "hello world", "My name", "hello there"]
 

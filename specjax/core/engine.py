@@ -19,11 +19,15 @@ so the target cache always holds ``num_tokens - 1`` entries while a row runs.
 A step writes K + 1 cache entries from slot ``num_tokens - 1`` on; only the
 accepted ones stay below the new length, the rest are masked and overwritten.
 
-Non-finite logits (a NaN or inf from broken weights or an overflow) are never
-sampled from: a step uses a row's positions (tree nodes) only up to the first
-whose logits are not all finite, so the row emits what AR would have emitted
-before it, and a row whose newest token's logits are not finite stops with
-``STOP_NONFINITE``, keeping the tokens before.
+Non-finite logits (a NaN or inf from broken weights or an overflow), and a
+position where the allowed-token hook allows nothing, are never sampled
+from: a chain verifies its drafts up to the first such position (each
+draft is tested at the position before it), and a row whose accepted
+drafts reach it stops there with ``STOP_NONFINITE``, keeping them, as AR
+would stop after the same tokens; a tree's nodes whose own or an
+ancestor's position is such are cut (the target's draw at the parent is
+emitted instead). A row whose newest token's position is such emits
+nothing and stops.
 
 A prompt length outside ``[1, Tp]`` (nothing to condition on, or more
 tokens than the padded prompt holds) is never decoded from: the row emits
@@ -318,15 +322,24 @@ def _verify_forward(params, target: Target, block_BT, cache, taps, width: int,
                      new_kv=jax.tree.map(lambda a: pad(a, 1), out.new_kv))
 
 
-def _nothing_allowed(logits_BTV: jax.Array, sampler: Sampler) -> jax.Array:
-  """NaN at each position where the allowed-token hook allows no token:
-  the non-finite cut then ends the row there (``STOP_NONFINITE``), as a
-  position with no distribution to sample."""
+def _nothing_allowed(logits_BTV: jax.Array, sampler: Sampler,
+                     new_BT: jax.Array, min_new_B: jax.Array,
+                     dcfg: DecodeConfig) -> jax.Array:
+  """NaN at each position where the allowed-token hook allows no token
+  (counting an EOS the row's ``min_new_tokens`` still masks as not
+  allowed): the non-finite cut treats it as a position with no
+  distribution to sample (module doc)."""
   if sampler.allowed is None:
     return logits_BTV
-  none_BT = ~jnp.any(sampler.allowed.mask(), axis=-1)
-  if none_BT.ndim == 1:  # one position per row (the prefill's)
-    none_BT = none_BT[:, None]
+  allowed_BTV = sampler.allowed.mask()
+  if allowed_BTV.ndim == 2:  # one position per row (the prefill's)
+    allowed_BTV = allowed_BTV[:, None]
+  if dcfg.eos_ids:
+    early_BT1 = (new_BT < min_new_B[:, None])[..., None]
+    eos = jnp.asarray(dcfg.eos_ids, jnp.int32)
+    allowed_BTV = allowed_BTV.at[..., eos].set(allowed_BTV[..., eos]
+                                               & ~early_BT1)
+  none_BT = ~jnp.any(allowed_BTV, axis=-1)
   return jnp.where(none_BT[..., None], jnp.nan, logits_BTV)
 
 
@@ -341,17 +354,17 @@ def _usable_logits(logits_BTV: jax.Array, finite_BT: jax.Array) -> jax.Array:
   return jnp.where(finite_BT[..., None], logits_BTV, 0.0)
 
 
-def _chain_cut(logits_BTV: jax.Array, num_draft_B: jax.Array,
-               live_B: jax.Array):
+def _chain_cut(logits_BTV: jax.Array, num_draft_B: jax.Array):
   """A chain step's non-finite logits (module doc): ``(usable logits, drafts
-  to verify, live rows that stop)``. Accepting j drafts reads positions
-  0..j, so the drafts end before the first non-finite position."""
+  to verify, the first non-finite position or T)``. Draft j is tested at
+  position j - 1, so the drafts up to the first non-finite position are
+  verified; accepting all of them would read it, and the row stops there
+  instead (``_verify``)."""
   finite_BT = _finite(logits_BTV)
   first_bad_B = jnp.where(jnp.all(finite_BT, axis=1), finite_BT.shape[1],
                           jnp.argmin(finite_BT, axis=1))
   return (_usable_logits(logits_BTV, finite_BT),
-          jnp.minimum(num_draft_B, jnp.maximum(first_bad_B - 1, 0)),
-          live_B & (first_bad_B == 0))
+          jnp.minimum(num_draft_B, first_bad_B), first_bad_B)
 
 
 def _tree_cut(logits_BMV: jax.Array, tree, anc_BMM: jax.Array,
@@ -482,7 +495,8 @@ def prefill(params, prompt_BT: jax.Array,
   # a block of one (EOS, stop sequences and the budget as in a step).
   key, sub = split(key)
   sampler = state.sampler(dcfg, V)
-  logits_B1V = _nothing_allowed(out.logits, sampler)
+  logits_B1V = _nothing_allowed(out.logits, sampler, zeros_B[:, None],
+                                state.min_new_tokens, dcfg)
   ok_B = _finite(logits_B1V)[:, 0] & ~bad_B
   logits_B1V = _usable_logits(logits_B1V, ok_B[:, None])
   q_B1V = warp(_mask_eos(logits_B1V, zeros_B[:, None], state.min_new_tokens,
@@ -625,28 +639,36 @@ def _verify(state: DecodeState, draft: _Draft, logits_BWV: jax.Array,
   positions); log-probs are ``_token_logprobs``' of the result's tokens."""
   new_B1 = state.num_new_tokens[:, None]
   B, W = draft.block.shape
-  anc_BWW = (jnp.broadcast_to(jnp.tri(W, dtype=bool), (B, W, W))
-             if draft.tree is None else draft.anc)
+  chain = draft.tree is None
+  anc_BWW = (jnp.broadcast_to(jnp.tri(W, dtype=bool), (B, W, W)) if chain
+             else draft.anc)
+  new_BW = new_B1 + (jnp.arange(W)[None, :] if chain
+                     else trees.depths(draft.anc))
   at_block = sampler.along(draft.block, anc_BWW)
-  logits_BWV = _nothing_allowed(logits_BWV, at_block)
-  if draft.tree is None:
-    logits, num_drafted_B, nonfinite_B = _chain_cut(
-        logits_BWV, draft.num_drafted, live_B)
-    new_BW = new_B1 + jnp.arange(W)[None, :]
+  logits_BWV = _nothing_allowed(logits_BWV, at_block, new_BW,
+                                state.min_new_tokens, dcfg)
+  if chain:
+    logits, num_drafted_B, first_bad_B = _chain_cut(logits_BWV,
+                                                    draft.num_drafted)
     q_BWV = warp(_mask_eos(logits, new_BW, state.min_new_tokens, dcfg),
                  at_block)
     res = verify_chain(draft.block[:, 1:], draft.probs, q_BWV, num_drafted_B,
                        key, greedy=dcfg.sampling.greedy)
+    # Every draft before the first non-finite position accepted: the row
+    # emits them and stops (no token comes from that position).
+    nonfinite_B = live_B & (res.num_accepted == first_bad_B)
+    res = res.replace(num_emitted=jnp.where(nonfinite_B, res.num_accepted,
+                                            res.num_emitted))
     path_BK1 = None
     at_BK1 = jnp.broadcast_to(jnp.arange(res.tokens.shape[1]),
                               res.tokens.shape)
   else:
     logits, tree, nonfinite_B = _tree_cut(logits_BWV, draft.tree, draft.anc,
                                           live_B)
-    new_BW = new_B1 + trees.depths(draft.anc)
     q_BWV = warp(_mask_eos(logits, new_BW, state.min_new_tokens, dcfg),
                  at_block)
     res = trees.verify_tree(tree, draft.anc, q_BWV, key, sampler, dcfg.k)
+    res = res.replace(num_emitted=jnp.where(nonfinite_B, 0, res.num_emitted))
     path_BK1 = at_BK1 = res.path
   return (res, path_BK1, _token_logprobs(logits, q_BWV, at_BK1, res.tokens),
           nonfinite_B)
@@ -749,9 +771,12 @@ def step(params, state: DecodeState, *,
                      dcfg=dcfg)
   res, path_BK1, logprobs, nonfinite_B = _verify(
       state, draft, out.logits, live_B, sampler, k_verify, dcfg)
-  live_B &= ~nonfinite_B
+  # A row that reached a non-finite position still emits what it accepted
+  # before it (``_verify``), then stops, unless an EOS, a stop sequence or
+  # its budget ended it first.
   state, n_B, hit_eos_B, hit_stop_B = _emit(
       state, res.tokens, res.num_emitted, live_B, dcfg, logprobs)
+  nonfinite_B &= (n_B == res.num_emitted) & ~hit_eos_B & ~hit_stop_B
   ctx = Context(tokens=state.tokens, num_tokens=state.num_tokens + n_B)
   drafter_state = draft.drafter_state
   if dcfg.k:  # the drafter sees a tree's path as a chain

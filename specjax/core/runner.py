@@ -229,10 +229,11 @@ def generate_ids(model: Model, prompts: Sequence[Sequence[int]], *,
   one per prompt; their values are data, so settings of one program
   (``SamplingParams.program``: a temperature or top-p sweep, a batch
   mixing them) share one compile. ``max_new_tokens`` and
-  ``min_new_tokens`` are one for all prompts or one per prompt (``DecodeState``'s); ``stop`` holds token
-  sequences that end a row where one is generated
-  (``DecodeConfig.stop_sequences``); ``allowed_tokens`` a hook saying which
-  tokens a row may generate next (``DecodeConfig.allowed_tokens``).
+  ``min_new_tokens`` are one for all prompts or one per prompt
+  (``DecodeState``'s); ``stop`` holds token sequences that end a row where
+  one is generated (``DecodeConfig.stop_sequences``); ``allowed_tokens`` a
+  hook saying which tokens a row may generate next
+  (``DecodeConfig.allowed_tokens``).
 
   Each (batch, prompt bucket, capacity, config) shape is compiled once per
   process, ahead of the timed call, so ``wall_s`` never includes compilation.

@@ -168,18 +168,22 @@ class SamplingParams:
 
   def fits(self, program: "SamplingParams") -> Optional[str]:
     """None when these values can run in ``program``'s compiled program
-    (module doc), else what does not fit."""
+    (module doc), else what does not fit. A greedy row's top-k, top-p and
+    min-p never matter (the argmax survives them)."""
     if program.greedy and not self.greedy:
       return (f"temperature {self.temperature} needs a sampled program; "
               f"this one is greedy")
-    if program.top_k == 0 and self.top_k:
+    if self.greedy:
+      pass
+    elif program.top_k == 0 and self.top_k:
       return f"top_k {self.top_k} needs a program with a top-k bound"
-    if program.top_k and not 1 <= self.top_k <= program.top_k:
+    elif program.top_k and not 1 <= self.top_k <= program.top_k:
       return (f"top_k must be in [1, {program.top_k}] (the program's "
-              f"bound), got {self.top_k}")
-    if self.top_p < 1 and program.top_p == 1:
+              f"bound; a row without top-k cannot share it), got "
+              f"{self.top_k}")
+    elif self.top_p < 1 and program.top_p == 1:
       return f"top_p {self.top_p} needs a program with top-p"
-    if self.min_p > 0 and program.min_p == 0:
+    elif self.min_p > 0 and program.min_p == 0:
       return f"min_p {self.min_p} needs a program with min-p"
     if self.penalized and not program.penalized:
       return "penalties need a program with penalties"
@@ -216,6 +220,11 @@ class RowSampling:
       if why:
         raise ValueError(f"row {b}'s sampling does not fit the compiled "
                          f"program: {why}")
+    # A greedy row takes the program's neutral values (its argmax is the
+    # same under any of them).
+    rows = [dataclasses.replace(sp, top_k=program.top_k, top_p=1.0,
+                                min_p=0.0) if sp.greedy else sp
+            for sp in rows]
     nb = len(program.logit_bias)
     pad = lambda sp: sp.logit_bias + ((0, 0.0),) * (nb - len(sp.logit_bias))
     col = lambda f, dt: np.asarray([getattr(sp, f) for sp in rows], dt)
@@ -307,7 +316,8 @@ class Allowed:
     slot_B = jnp.where(where_B, self.num_tokens, self.tokens.shape[1])
     return self.replace(
         tokens=self.tokens.at[b_B, slot_B].set(tokens_B, mode="drop"),
-        num_tokens=self.num_tokens + where_B)
+        num_tokens=jnp.minimum(self.num_tokens + where_B,
+                               self.tokens.shape[1]))
 
   def along(self, block_BW: jax.Array, anc_BWW: jax.Array) -> "Allowed":
     """The context at each block position: the committed tokens, then the
@@ -324,8 +334,8 @@ class Allowed:
     tokens_BWS = jnp.broadcast_to(self.tokens[:, None], (B, W, S)).at[
         b_BWW, w_BWW, slot_BWW].set(
             jnp.broadcast_to(block_BW[:, None, :], (B, W, W)), mode="drop")
-    return self.replace(tokens=tokens_BWS,
-                        num_tokens=self.num_tokens[:, None] + depth_BW)
+    return self.replace(tokens=tokens_BWS, num_tokens=jnp.minimum(
+        self.num_tokens[:, None] + depth_BW, S))
 
 
 @struct.dataclass

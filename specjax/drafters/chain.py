@@ -62,7 +62,10 @@ def draft_chain(first_logits_BV: jax.Array,
     drafts_BK, probs_BKV, num_B, active_B, sampler = record
     p_BV = warp(logits_BV, sampler)
     tok_B = draw(p_BV, sampler, keys[i])
-    active_B &= keep_drafting(logits_BV, p_BV, tok_B, min_confidence)
+    # A distribution with no mass (every token the allowed-token hook lets
+    # through is outside a draft vocabulary): nothing to draft from.
+    active_B &= (keep_drafting(logits_BV, p_BV, tok_B, min_confidence)
+                 & jnp.any(p_BV > 0, axis=-1))
     drafts_BK = drafts_BK.at[:, i].set(jnp.where(active_B, tok_B, 0))
     probs_BKV = jax.lax.dynamic_update_slice_in_dim(
         probs_BKV, p_BV[:, None], i, axis=1)

@@ -46,8 +46,9 @@ CONVENTIONS = ("capture-before", "output-of-layer")
 _ARCH = {"specforge": "LlamaForCausalLMEagle3",
          "speculators": "Eagle3Speculator"}
 _PREFIX = {"specforge": "midlayer.", "speculators": "layers.0."}
-# Fields that only describe a checkpoint (never the math).
-_NOTES = {"architectures", "model_type", "torch_dtype", "dtype",
+# The config fields import knows: those that only describe a checkpoint,
+# and those it reads or refuses (``_refuse_math``, ``_head_config``).
+_KNOWN = {"architectures", "model_type", "torch_dtype", "dtype",
           "transformers_version", "_name_or_path", "use_cache",
           "initializer_range", "bos_token_id", "eos_token_id",
           "pad_token_id", "max_position_embeddings", "pretraining_tp",
@@ -61,7 +62,7 @@ _NOTES = {"architectures", "model_type", "torch_dtype", "dtype",
           "head_dim", "rms_norm_eps", "draft_vocab_size",
           "target_hidden_size", "eagle_aux_hidden_state_layer_ids",
           "norm_before_residual", "norm_before_fc", "fc_norm", "norm_output",
-          "eagle_config", "rope_parameters", "layer_types"}
+          "eagle_config", "rope_parameters"}
 
 
 class HeadFormatError(ValueError):
@@ -192,8 +193,8 @@ def _refuse_math(root, fmt: str, conf: dict, layer: dict) -> None:
   """HeadFormatError for any field whose value changes the math in a way
   specjax's head does not compute."""
   eagle = conf.get("eagle_config") or {}
-  unknown = sorted(set(conf) - _NOTES) + sorted(
-      f"transformer_layer_config.{k}" for k in set(layer) - _NOTES
+  unknown = sorted(set(conf) - _KNOWN) + sorted(
+      f"transformer_layer_config.{k}" for k in set(layer) - _KNOWN
       if layer is not conf)
   checks = [
       ("num_hidden_layers", layer.get("num_hidden_layers", 1) == 1,
@@ -213,6 +214,8 @@ def _refuse_math(root, fmt: str, conf: dict, layer: dict) -> None:
       ("mlp_bias", not layer.get("mlp_bias", False), "no biases"),
       ("hidden_act", layer.get("hidden_act", "silu") == "silu", "SwiGLU"),
       ("rope_scaling", not layer.get("rope_scaling"), "plain RoPE"),
+      ("rope_parameters.rope_type", (layer.get("rope_parameters") or {}).get(
+          "rope_type", "default") == "default", "plain RoPE"),
       ("tie_word_embeddings", not layer.get("tie_word_embeddings", False),
        "its own LM head"),
   ]
@@ -231,14 +234,17 @@ def _head_config(root, fmt, conf, layer, target: ModelConfig,
   _refuse_math(root, fmt, conf, layer)
   need = lambda k: _field(root, layer, k)
   D = need("hidden_size")
-  target_dim = conf.get("target_hidden_size", D)
+  target_dim = conf.get("target_hidden_size") or D  # null: as wide
   if target_dim != D:
     raise HeadFormatError(f"{root}: draft width {D} differs from the "
                           f"target's {target_dim}; specjax's head is as wide "
                           f"as its target")
   N = need("num_attention_heads")
   head_dim = layer.get("head_dim") or D // N
-  if "rope_theta" not in layer:
+  theta = layer.get("rope_theta",
+                    (layer.get("rope_parameters") or {}).get("rope_theta"))
+  if theta is None:
+    theta = 10000.0
     notes.append("rope_theta not in the file: the Llama default 10000, as "
                  "vLLM and SGLang read it")
   taps = conf.get("eagle_aux_hidden_state_layer_ids") or (
@@ -257,7 +263,7 @@ def _head_config(root, fmt, conf, layer, target: ModelConfig,
       ffn_dim=need("intermediate_size"),
       draft_vocab=conf.get("draft_vocab_size", layer.get(
           "vocab_size", target.vocab_size)),
-      rope_theta=float(layer.get("rope_theta", 10000.0)),
+      rope_theta=float(theta),
       norm_eps=float(layer.get("rms_norm_eps", 1e-6)))
   try:
     cfg.check_fits(target)

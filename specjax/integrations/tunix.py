@@ -16,9 +16,11 @@ and ``llama3_params`` give specjax's target and weights for it (another
 architecture needs its own pair: ``target=`` and ``to_params=``).
 Conventions, as Tunix's own sampler keeps them: the prompt is BOS +
 ``tokenizer.encode``, left-padded to ``max_prompt_length`` (a longer one is
-refused); completions are unpadded, without their EOS; the log-probs are
-``log_softmax(logits / temperature)`` of the completion tokens, what
-Tunix's loss computes for the actor.
+refused); completions are unpadded, without their EOS. Two log-probs:
+``RolloutOutput.logprobs`` are the sampling policy's (after top-k and
+top-p; 0 at T = 0), read from the verify pass; ``get_per_token_logps``
+gives ``log_softmax(logits / temperature)``, what Tunix's loss computes
+for the actor (the same numbers when neither top-k nor top-p cuts).
 """
 
 from __future__ import annotations
