@@ -192,6 +192,9 @@ def _load_each_model_once(monkeypatch):
     (("train", "--config", "configs/eagle3_smollm2.py", "--workdir",
       "/tmp/x", "--set", "init_head=/no/such.npz"),
      ["init_head: no head file or directory '/no/such.npz'"]),
+    (("train", "--config", "configs/eagle3_smollm2.py", "--workdir",
+      "/tmp/x", "--set", "export=vllm"),
+     ["export: head format 'vllm' is not one of specforge, speculators"]),
     *((("train", "--config", "configs/eagle3_smollm2.py", "--workdir",
         "/tmp/x", "--set", setting), [words]) for setting, words in (
             ("keep=0", "keep must be >= 1"),

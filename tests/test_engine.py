@@ -662,6 +662,10 @@ def test_rows_whose_sampling_does_not_fit_the_program_are_refused():
       RowSampling.build(program, [SamplingParams(0.5, top_k=2), row])
   with pytest.raises(ValueError, match="greedy"):
     RowSampling.build(SamplingParams(), [SamplingParams(0.5)])
+  # A greedy row fits any sampled program: it takes its neutral values.
+  rows = RowSampling.build(program, [SamplingParams(),
+                                     SamplingParams(0.5, top_k=4)])
+  assert rows.top_k.tolist() == [8, 4] and rows.temperature[0] == 0
 
 
 @pytest.mark.parametrize("method", METHODS_4)
@@ -682,3 +686,24 @@ def test_a_position_the_hook_closes_ends_the_row(tiny, method):
                          allowed_tokens=three_then_none)
   assert got == [row[:3] for row in free]
   assert reasons == ["nonfinite"] * len(PROMPTS)
+
+
+def test_an_eos_min_new_tokens_masks_is_not_allowed(tiny):
+  """Invariant: a hook that allows only the EOS closes a position where
+  ``min_new_tokens`` still masks the EOS: the row ends there with no
+  token (never one drawn from all-masked logits); without the minimum it
+  emits the EOS."""
+  cfg, params = tiny
+  eos = 2
+
+  def only_eos(tokens_BS, num_tokens_B, prompt_lengths_B):
+    return jnp.broadcast_to(jnp.arange(cfg.vocab_size) == eos,
+                            (len(num_tokens_B), cfg.vocab_size))
+
+  for sampling in SAMPLINGS:
+    got, reasons = _decode(params, cfg, "chain", sampling, eos_ids=(eos,),
+                           allowed_tokens=only_eos, min_new_tokens=3)
+    assert got == [[]] * len(PROMPTS) and reasons == ["nonfinite"] * 4
+    got, reasons = _decode(params, cfg, "chain", sampling, eos_ids=(eos,),
+                           allowed_tokens=only_eos)
+    assert got == [[eos]] * len(PROMPTS) and reasons == ["eos"] * 4

@@ -69,6 +69,17 @@ class HeadFormatError(ValueError):
   """A head directory specjax cannot load exactly (names what and why)."""
 
 
+def check_export(fmt: str, variant: str) -> None:
+  """ValueError unless a ``variant`` head can be written in layout
+  ``fmt``."""
+  if fmt not in FORMATS:
+    raise ValueError(f"head format {fmt!r} is not one of "
+                     f"{', '.join(FORMATS)}")
+  if variant != "eagle3":
+    raise ValueError(f"the {fmt} layout is for EAGLE-3 heads, not "
+                     f"{variant}")
+
+
 def export_head(out_dir, cfg: HeadConfig, params, draft_ids, fmt: str,
                 *, target_name: str = "") -> pathlib.Path:
   """Writes the EAGLE-3 head ``(cfg, params, draft_ids)`` to ``out_dir`` in
@@ -76,12 +87,7 @@ def export_head(out_dir, cfg: HeadConfig, params, draft_ids, fmt: str,
   (f32, torch layout) and a ``README.md`` with the taps in both
   conventions. ``target_name`` goes into the speculators verifier entry."""
   from safetensors.numpy import save_file
-  if fmt not in FORMATS:
-    raise ValueError(f"unknown head format {fmt!r} (choose from "
-                     f"{', '.join(FORMATS)})")
-  if cfg.variant != "eagle3":
-    raise ValueError(f"only EAGLE-3 heads have these layouts, not "
-                     f"{cfg.variant}")
+  check_export(fmt, cfg.variant)
   out = pathlib.Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
   tensors = _tensors(cfg, params, draft_ids, _PREFIX[fmt])

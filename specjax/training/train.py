@@ -139,14 +139,12 @@ class TrainConfig:
                        f"{self.init_layer!r}")
     if self.init_layer == "target" and self.variant != "eagle3":
       raise ValueError("init_layer=target is for EAGLE-3 heads")
-    from specjax.heads.interop import FORMATS
+    from specjax.heads.interop import check_export
     for fmt in filter(None, self.export.split(",")):
-      if fmt not in FORMATS:
-        raise ValueError(f"export must name formats among "
-                         f"{', '.join(FORMATS)}, got {fmt!r}")
-      if self.variant != "eagle3":
-        raise ValueError(f"export={fmt} is for EAGLE-3 heads, not "
-                         f"{self.variant}")
+      try:
+        check_export(fmt, self.variant)
+      except ValueError as e:
+        raise ValueError(f"export: {e}") from None
     for name in ("max_len", "batch_size", "steps", "ttt_steps", "medusa_heads",
                  "ttt_warm_steps", "draft_vocab", "rows_bucket", "log_every",
                  "num_conversations", "regen_max_new_tokens"):
