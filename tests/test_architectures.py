@@ -424,7 +424,7 @@ def test_sampled_speculation_follows_the_target(arch, tmp_path, monkeypatch):
   distribution on it (chi-square below the 99.9% critical value) and
   drafts were accepted. Mutation: verifying against the temperature-only
   distribution (top-k/top-p dropped on the target side) must fail."""
-  from specjax.core.sampling import SamplingParams
+  from specjax.core.sampling import SamplingParams, as_sampler
   from tests.test_speculative import _chi2
   name, _, cfg, params, _ = arch
   make_tiny(name, tmp_path, seed=1)
@@ -438,7 +438,7 @@ def test_sampled_speculation_follows_the_target(arch, tmp_path, monkeypatch):
 
   real_warp = engine.warp
   monkeypatch.setattr(engine, "warp", lambda logits, sp: real_warp(
-      logits, SamplingParams(sp.temperature)))
+      logits, SamplingParams(as_sampler(sp).params.temperature)))
   jax.clear_caches()
   counts, expected, _ = _joint_first_two(cfg, params, draft, sampling)
   jax.clear_caches()
