@@ -166,6 +166,20 @@ class SamplingParams:
         repetition_penalty=2.0 if self.penalized else 1.0,
         logit_bias=((0, 0.0),) * len(self.logit_bias))
 
+  def _cuts_misfit(self, program: "SamplingParams") -> Optional[str]:
+    """What of top-k, top-p and min-p ``program`` cannot run, or None."""
+    if program.top_k == 0 and self.top_k:
+      return f"top_k {self.top_k} needs a program with a top-k bound"
+    if program.top_k and not 1 <= self.top_k <= program.top_k:
+      return (f"top_k must be in [1, {program.top_k}] (the program's "
+              f"bound; a row without top-k cannot share it), got "
+              f"{self.top_k}")
+    if self.top_p < 1 and program.top_p == 1:
+      return f"top_p {self.top_p} needs a program with top-p"
+    if self.min_p > 0 and program.min_p == 0:
+      return f"min_p {self.min_p} needs a program with min-p"
+    return None
+
   def fits(self, program: "SamplingParams") -> Optional[str]:
     """None when these values can run in ``program``'s compiled program
     (module doc), else what does not fit. A greedy row's top-k, top-p and
@@ -173,18 +187,9 @@ class SamplingParams:
     if program.greedy and not self.greedy:
       return (f"temperature {self.temperature} needs a sampled program; "
               f"this one is greedy")
-    if self.greedy:
-      pass
-    elif program.top_k == 0 and self.top_k:
-      return f"top_k {self.top_k} needs a program with a top-k bound"
-    elif program.top_k and not 1 <= self.top_k <= program.top_k:
-      return (f"top_k must be in [1, {program.top_k}] (the program's "
-              f"bound; a row without top-k cannot share it), got "
-              f"{self.top_k}")
-    elif self.top_p < 1 and program.top_p == 1:
-      return f"top_p {self.top_p} needs a program with top-p"
-    elif self.min_p > 0 and program.min_p == 0:
-      return f"min_p {self.min_p} needs a program with min-p"
+    why = None if self.greedy else self._cuts_misfit(program)
+    if why:
+      return why
     if self.penalized and not program.penalized:
       return "penalties need a program with penalties"
     if len(self.logit_bias) > len(program.logit_bias):
@@ -241,6 +246,17 @@ class RowSampling:
                                f32).reshape(len(rows), nb))
 
 
+def _on_paths(block_BW: jax.Array, anc_BWW: jax.Array):
+  """Index arrays ``[B, W, W]`` over (row b, block position w, token j):
+  ``b``, ``w``, the token ``block[b, j]``, and whether j is a drafted token
+  on w's path (``anc[b, w, j]``, j > 0: position 0 is committed)."""
+  B, W = block_BW.shape
+  return (jnp.broadcast_to(jnp.arange(B)[:, None, None], (B, W, W)),
+          jnp.broadcast_to(jnp.arange(W)[None, :, None], (B, W, W)),
+          jnp.broadcast_to(block_BW[:, None, :], (B, W, W)),
+          anc_BWW & (jnp.arange(W) > 0)[None, None, :])
+
+
 @struct.dataclass
 class History:
   """What the penalties read, per row (and per block position: ``[B, W,
@@ -276,13 +292,9 @@ class History:
     j is w or its ancestor; block position 0, the newest token, is already
     committed)."""
     B, W = block_BW.shape
-    V = self.seen.shape[-1]
-    on_BWW = anc_BWW & (jnp.arange(W) > 0)[None, None, :]
-    b_BWW = jnp.broadcast_to(jnp.arange(B)[:, None, None], (B, W, W))
-    w_BWW = jnp.broadcast_to(jnp.arange(W)[None, :, None], (B, W, W))
-    tok_BWW = jnp.broadcast_to(block_BW[:, None, :], (B, W, W))
-    added = jnp.zeros((B, W, V), jnp.float32).at[b_BWW, w_BWW, tok_BWW].add(
-        on_BWW.astype(jnp.float32))
+    b_BWW, w_BWW, tok_BWW, on_BWW = _on_paths(block_BW, anc_BWW)
+    added = jnp.zeros((B, W, self.seen.shape[-1]), jnp.float32).at[
+        b_BWW, w_BWW, tok_BWW].add(on_BWW.astype(jnp.float32))
     return History(seen=self.seen[:, None] | (added > 0),
                    counts=self.counts[:, None] + added)
 
@@ -326,14 +338,11 @@ class Allowed:
     B, W = block_BW.shape
     S = self.tokens.shape[1]
     depth_BW = jnp.sum(anc_BWW, axis=-1) - 1
-    on_BWW = anc_BWW & (jnp.arange(W) > 0)[None, None, :]
+    b_BWW, w_BWW, tok_BWW, on_BWW = _on_paths(block_BW, anc_BWW)
     slot_BWW = jnp.where(on_BWW, self.num_tokens[:, None, None]
                          + depth_BW[:, None, :] - 1, S)
-    b_BWW = jnp.broadcast_to(jnp.arange(B)[:, None, None], (B, W, W))
-    w_BWW = jnp.broadcast_to(jnp.arange(W)[None, :, None], (B, W, W))
     tokens_BWS = jnp.broadcast_to(self.tokens[:, None], (B, W, S)).at[
-        b_BWW, w_BWW, slot_BWW].set(
-            jnp.broadcast_to(block_BW[:, None, :], (B, W, W)), mode="drop")
+        b_BWW, w_BWW, slot_BWW].set(tok_BWW, mode="drop")
     return self.replace(tokens=tokens_BWS, num_tokens=jnp.minimum(
         self.num_tokens[:, None] + depth_BW, S))
 
