@@ -55,10 +55,10 @@ install: $(STAMP) $(NATIVE) $(CONVERTER)
 $(NATIVE): $(KERNELS) | $(STAMP)
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 
-$(STAMP): setup.cfg setup.py pyproject.toml Makefile
+$(STAMP): setup.cfg setup.py pyproject.toml constraints.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
 	$(BIN)/pip install -q --no-deps $(ASSETS) $(REFS)
 	touch $(STAMP)
 

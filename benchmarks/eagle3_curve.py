@@ -28,6 +28,7 @@ def evaluate_runs(run_dirs, out: pathlib.Path, num_steps: int, label=None,
                   only=None, export=None, heldout_of=None):
   from specjax.training import evaluate
   from specjax.heads import export as eexport
+  from specjax.training import config as tconfig
   from specjax.training import train
   from specjax.models.registry import load_model
   done = set()
@@ -35,8 +36,7 @@ def evaluate_runs(run_dirs, out: pathlib.Path, num_steps: int, label=None,
     done = {(r["run"], r["step"], r.get("heldout"))
             for r in map(json.loads, out.read_text().splitlines())}
   model, other = None, None
-  config = lambda run: train.TrainConfig(
-      **json.loads((pathlib.Path(run) / "config.json").read_text()))
+  config = tconfig.run_config
   if heldout_of:
     cfg = config(heldout_of)
     model = load_model(cfg.model)
@@ -61,7 +61,7 @@ def evaluate_runs(run_dirs, out: pathlib.Path, num_steps: int, label=None,
                           params, s.vocab.ids)
       if key in done:
         continue
-      rec = dict(run=name, **where, variant=cfg.variant, ttt=cfg.ttt_steps,
+      rec = dict(run=name, **where, variant=cfg.head.variant, ttt=cfg.ttt.steps,
                  step=step,
                  tokens=evaluate.tokens_seen(cfg, s.train_ex, step),
                  **evaluate.heldout_accuracy(s, params, num_steps))

@@ -7,7 +7,7 @@ initializations, at step 0 and after N training steps of the same recipe.
       --config configs/eagle3_smollm2_cached.py --inits target,random
 
 ``random``: today's init (normal(0.02) layer, LM head and final norm from the
-target); ``target``: ``init_layer=target`` (the layer starts as the target
+target); ``target``: ``head.init_layer=target`` (the layer starts as the target
 layer the high tap feeds, ``training.train.warm_layer``). Held-out top-1
 agreement per TTT step (``evaluate.heldout_accuracy``, 7 steps) on the
 recipe's held-out conversations; α₀ is step 0's. With ``--steps N`` each
@@ -20,10 +20,8 @@ JSON line per (init, step).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import pathlib
-import runpy
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -43,17 +41,19 @@ def main(argv=None):
   from specjax.measure import bench
   from specjax.models.registry import load_model
   from specjax.training import data as edata
+  from specjax.training import config as tconfig
   from specjax.training import evaluate, train
-  base = runpy.run_path(args.config)["config"]()
+  base = tconfig.load(args.config).train
   model = load_model(base.model)
-  examples = edata.sharegpt_examples(model.tokenizer, base.num_conversations,
-                                     base.max_len)
+  examples = edata.sharegpt_examples(model.tokenizer,
+                                     base.data.num_conversations,
+                                     base.data.max_len)
   inits = args.inits.split(",")
   for init in inits:
-    cfg = dataclasses.replace(base, init_layer=init)
+    cfg = base.updated({"head.init_layer": init})
     if args.steps:  # the recipe's schedule, stopped after N steps
       work = pathlib.Path(args.workdir) / init
-      if base.feature_cache:  # one feature cache for all inits
+      if base.data.feature_cache:  # one feature cache for all inits
         _share_features(pathlib.Path(args.workdir) / inits[0], work)
       run = train.train(cfg, str(work),
                         model=model, examples=examples,

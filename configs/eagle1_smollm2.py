@@ -6,14 +6,16 @@ features only; feature regression + 0.1 soft CE over the full vocabulary).
   specjax train --config configs/eagle1_smollm2.py --workdir runs/e1
 """
 
-import dataclasses
 import pathlib
 import runpy
 
 _EAGLE3 = pathlib.Path(__file__).with_name("eagle3_smollm2.py")
 
 
-def config():
-  eagle3 = runpy.run_path(str(_EAGLE3))["config"]()
-  return dataclasses.replace(eagle3, variant="eagle1", ttt_steps=1,
-                             ttt_warm_steps=1, ttt_warm_fraction=0.0)
+def get_config():
+  c = runpy.run_path(str(_EAGLE3))["get_config"]()
+  c.head.variant = "eagle1"
+  c.ttt.steps = 1
+  c.ttt.warm_steps = 1
+  c.ttt.warm_fraction = 0.0
+  return c

@@ -9,27 +9,32 @@ loss weights, warm starts) with what a GPU lease changes:
   on a GPU);
 - TTT 3 throughout, as the shipped head's cached recipe: one compiled step
   instead of two (TTT 7 bought ~0.01 tau at 2.2x the step cost on CPU);
-- the LM head over every row (``rows_bucket = max_len``): one compile for
+- the LM head over every row (``ttt.rows_bucket = data.max_len``): one compile for
   the run, instead of one per count of assistant positions;
 - no checkpoints (``checkpoint_every = 0``): nothing resumes across leases,
   the exported head comes back, and the next lease goes on from it;
 - ``steps`` set by ``benchmarks.gpu`` from the step time it measures against
   the lease's minutes.
 The held-out set is the CPU runs' 64 conversations, carried by the kit and
-kept out of training (``heldout = 0`` here: the kit's training rows already
+kept out of training (``data.heldout = 0`` here: the kit's training rows already
 exclude them).
 """
 
-import dataclasses
 import pathlib
 import runpy
 
 _CPU = pathlib.Path(__file__).with_name("eagle3_smollm2.py")
 
 
-def config():
-  cpu = runpy.run_path(str(_CPU))["config"]()
-  return dataclasses.replace(
-      cpu, num_conversations=20000, heldout=0, batch_size=64, lr=1e-3,
-      warmup=50, ttt_steps=3, ttt_warm_fraction=0.0, checkpoint_every=0,
-      rows_bucket=cpu.max_len)
+def get_config():
+  c = runpy.run_path(str(_CPU))["get_config"]()
+  c.data.num_conversations = 20000
+  c.data.heldout = 0
+  c.batch_size = 64
+  c.optim.lr = 1e-3
+  c.optim.warmup = 50
+  c.ttt.steps = 3
+  c.ttt.warm_fraction = 0.0
+  c.checkpoint_every = 0
+  c.ttt.rows_bucket = c.data.max_len
+  return c

@@ -11,14 +11,17 @@ LM-head losses). Runs resume from the newest checkpoint in the workdir. It train
 shipped head, specjax/heads/smollm2-135m-medusa.npz (docs/RESULTS.md).
 """
 
-import dataclasses
 import pathlib
 import runpy
 
 _EAGLE3 = pathlib.Path(__file__).with_name("eagle3_smollm2.py")
 
 
-def config():
-  eagle3 = runpy.run_path(str(_EAGLE3))["config"]()
-  return dataclasses.replace(eagle3, variant="medusa", medusa_heads=4,
-                             steps=450, lr=1e-3, ttt_warm_fraction=0.0)
+def get_config():
+  c = runpy.run_path(str(_EAGLE3))["get_config"]()
+  c.head.variant = "medusa"
+  c.head.medusa_heads = 4
+  c.steps = 450
+  c.optim.lr = 1e-3
+  c.ttt.warm_fraction = 0.0
+  return c

@@ -180,31 +180,42 @@ def _load_each_model_once(monkeypatch):
     (("train", "--config", "/no/such.py", "--workdir", "/tmp/x"),
      ["--config '/no/such.py' is not a file"]),
     (("train", "--config", "configs/eagle3_smollm2.py", "--workdir",
-      "/tmp/x", "--set", "stepz=3"), ["--set 'stepz=3'"]),
+      "/tmp/x", "--config.stepz=3"), ["stepz", "Did you mean", "steps"]),
     (("train", "--config", "configs/eagle3_smollm2.py", "--workdir",
-      "/tmp/x", "--set", "steps=many"), ["--set steps", "not a int"]),
+      "/tmp/x", "--config.steps=many"), ["--config.steps=many", "int"]),
+    (("train", "--config", "configs/eagle3_smollm2.py", "--workdir",
+      "/tmp/x", "--config.optim=3"), ["--config.optim=3", "ConfigDict"]),
+    (("train", "--config", "configs/eagle3_smollm2.py", "--workdir",
+      "/tmp/x", "--sets", "steps=3"), ["sets"]),
     (("train", "--config", "configs/eagle3_smollm2.py", "--workdir",
       "/tmp/x", "--stop-after", "0"), ["--stop-after"]),
     (("train", "--config", "configs/eagle3_smollm2.py", "--workdir",
       "/tmp/x", "--time-limit", "-1"), ["--time-limit"]),
     (("train", "--config", "configs/eagle3_smollm2.py", "--workdir",
-      "/tmp/x", "--set", "rows_bucket=0"), ["rows_bucket must be >= 1"]),
+      "/tmp/x", "--config.ttt.rows_bucket=0"),
+     ["ttt.rows_bucket must be >= 1"]),
     (("train", "--config", "configs/eagle3_smollm2.py", "--workdir",
-      "/tmp/x", "--set", "init_head=/no/such.npz"),
-     ["init_head: no head file or directory '/no/such.npz'"]),
+      "/tmp/x", "--config.head.init_head=/no/such.npz"),
+     ["head.init_head: no head file or directory '/no/such.npz'"]),
     (("train", "--config", "configs/eagle3_smollm2.py", "--workdir",
-      "/tmp/x", "--set", "export=vllm"),
+      "/tmp/x", "--config.export=vllm"),
      ["export: head format 'vllm' is not one of specforge, speculators"]),
+    (("train", "--config", "configs/eagle3_smollm2.py", "--workdir",
+      "/tmp/x", "--sweep", "--config.optim.lr=0"),
+     ["optim.lr must be > 0, got 0"]),
+    (("train", "--config", "configs/medusa_smollm2.py", "--workdir",
+      "/tmp/x", "--sweep"), ["defines no get_sweep() function"]),
     *((("train", "--config", "configs/eagle3_smollm2.py", "--workdir",
-        "/tmp/x", "--set", setting), [words]) for setting, words in (
+        "/tmp/x", f"--config.{setting}"), [words]) for setting, words in (
             ("keep=0", "keep must be >= 1"),
-            ("variant=eagle9",
-             "variant must be one of eagle3, eagle1, medusa, got 'eagle9'"),
-            ("lr=nan", "lr must be > 0, got nan"),
-            ("lr=-1", "lr must be > 0"),
-            ("ttt_warm_fraction=nan", "ttt_warm_fraction must be in [0, 1]"),
-            ("num_conversations=0", "num_conversations must be >= 1"),
-            ("heldout=-1", "heldout must be >= 0"))),
+            ("head.variant=eagle9", "head.variant must be one of eagle3, "
+             "eagle1, medusa, got 'eagle9'"),
+            ("optim.lr=nan", "optim.lr must be > 0, got nan"),
+            ("optim.lr=-1", "optim.lr must be > 0"),
+            ("ttt.warm_fraction=nan", "ttt.warm_fraction must be in [0, 1]"),
+            ("data.num_conversations=0",
+             "data.num_conversations must be >= 1"),
+            ("data.heldout=-1", "data.heldout must be >= 0"))),
     (("tune", "--latency-target", "nan"), ["latency target", "nan"]),
     (("tune", "--batch-size", "100000"),
      ["100000 rows x 512 slots need", "GiB is free"]),
@@ -227,17 +238,32 @@ def test_bad_input_exits_2_with_one_line(capsys, args, needles):
 @pytest.mark.parametrize("source,needles", [
     ("import no_such_module_here\n",
      ["cannot load --config", "ModuleNotFoundError", "no_such_module_here"]),
-    ("def config():\n  raise RuntimeError('no data here')\n",
-     ["config() raised RuntimeError: no data here"]),
-    ("from specjax.training.train import TrainConfig\n"
-     "def config():\n  return TrainConfig(lr=float('nan'))\n",
-     ["config() raised ValueError", "lr must be > 0, got nan"]),
+    ("def get_config():\n  raise RuntimeError('no data here')\n",
+     ["RuntimeError", "no data here"]),
+    ("from specjax.training.config import defaults\n"
+     "def get_config():\n  c = defaults()\n  c.optim.lr = float('nan')\n"
+     "  return c\n",
+     ["optim.lr must be > 0, got nan"]),
+    ("from specjax.training.config import defaults\n"
+     "def get_config():\n  c = defaults().to_dict()\n"
+     "  c['optim']['lrr'] = 1.0\n  return c\n",
+     ["optim.lrr: no such field"]),
+    ("from specjax.training.config import defaults\n"
+     "def get_config():\n  c = defaults()\n  c.optim.lrr = 1.0\n"
+     "  return c\n",
+     ["lrr"]),
+    ("def get_config():\n  return {'steps': 'many'}\n",
+     ["steps: 'many' is not a int"]),
+    ("from specjax.training.config import TrainConfig\n"
+     "def get_config():\n  return TrainConfig()\n",
+     ["get_config() must return a ConfigDict", "TrainConfig"]),
     ("x = 1 / 0\n", ["cannot load --config", "ZeroDivisionError"]),
-    ("config = 3\n", ["defines no config() function"]),
-], ids=["import_error", "raising_config", "invalid_config", "raising_module",
-        "no_function"])
+    ("config = 3\n", ["defines no get_config() function"]),
+], ids=["import_error", "raising_config", "invalid_config", "unknown_field",
+        "unknown_attribute", "wrong_type", "not_a_config_dict",
+        "raising_module", "no_function"])
 def test_broken_config_files_are_one_line(capsys, tmp_path, source, needles):
-  """Invariant: a --config file that cannot be imported, whose config()
+  """Invariant: a --config file that cannot be imported, whose get_config()
   raises or returns an invalid config, is one stderr line naming the file
   and what it raised, exit 2 (the user's code, never a traceback)."""
   path = tmp_path / "cfg.py"
@@ -248,18 +274,31 @@ def test_broken_config_files_are_one_line(capsys, tmp_path, source, needles):
 
 def test_a_resume_with_another_config_is_one_line(capsys, tmp_path):
   """Invariant: ``train`` in the workdir of a run started with the recipe's
-  config, with --set changing a field, is one line naming the field, both
-  values and --allow-config-change, exit 2, before the model loads; a
+  config, with an override changing a field, is one line naming the field,
+  both values and --allow-config-change, exit 2, before the model loads
+  (also when the run wrote its config before the config nested); a
   workdir whose config.json is not a run's config is one line naming it."""
   import dataclasses
-  import runpy
+  from specjax.training import config as tconfig
   recipe = "configs/eagle3_smollm2.py"
-  cfg = runpy.run_path(recipe)["config"]()
+  cfg = tconfig.load(recipe).train
   (tmp_path / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
   train = ("train", "--config", recipe, "--workdir", str(tmp_path))
-  changed = _main(capsys, *train, "--set", "lr=0.001", "--set", "log_every=5")
-  _assert_usage_error(changed, "lr 0.0003 -> 0.001", "--allow-config-change")
+  changed = _main(capsys, *train, "--config.optim.lr=0.001",
+                  "--config.log_every", "5")
+  _assert_usage_error(changed, "optim.lr 0.0003 -> 0.001",
+                      "--allow-config-change")
   assert "log_every" not in changed.stderr  # bookkeeping may change
+  old = {**{k: v for g in ("head", "data", "optim")
+            for k, v in dataclasses.asdict(getattr(cfg, g)).items()},
+         **{f"ttt_{k}": v for k, v in dataclasses.asdict(cfg.ttt).items()
+            if k != "rows_bucket"}, "rows_bucket": cfg.ttt.rows_bucket,
+         **{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+            if not dataclasses.is_dataclass(getattr(cfg, f.name))}}
+  (tmp_path / "config.json").write_text(json.dumps(old))  # flat: older
+  renamed = _main(capsys, *train, "--config.ttt.steps=3")
+  _assert_usage_error(renamed, "ttt.steps 7 -> 3")
+  assert renamed.stderr.count("->") == 1, renamed.stderr
   (tmp_path / "config.json").write_text("[1, 2]")
   _assert_usage_error(_main(capsys, *train), "config.json", "not a run's "
                       "config")

@@ -4,6 +4,7 @@ with exactly the losses of an uninterrupted one."""
 import dataclasses
 import json
 import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -35,9 +36,10 @@ def _examples(n=10, T=12, seed=0):
   return edata.Examples(ids, mask, np.full((n,), T, np.int32))
 
 
-CFG = etrain.TrainConfig(heldout=2, max_len=12, batch_size=2, steps=6,
-                         ttt_steps=2, draft_vocab=30, lr=3e-3, warmup=2,
-                         checkpoint_every=2, keep=2, log_every=1)
+CFG = etrain.TrainConfig().updated({
+    "data.heldout": 2, "data.max_len": 12, "batch_size": 2, "steps": 6,
+    "ttt.steps": 2, "head.draft_vocab": 30, "optim.lr": 3e-3,
+    "optim.warmup": 2, "checkpoint_every": 2, "keep": 2, "log_every": 1})
 
 
 @pytest.mark.long
@@ -52,7 +54,7 @@ def test_resume_after_interruption_matches_uninterrupted(tiny_model,
   holds each step once; (3) orbax keeps only ``keep`` checkpoints. Also
   for training epochs over cached target features (5 examples)."""
   ex = _examples()
-  CFG = dataclasses.replace(globals()["CFG"], feature_cache=feature_cache)
+  CFG = globals()["CFG"].updated({"data.feature_cache": feature_cache})
   full = etrain.train(CFG, tmp_path / "a", model=tiny_model, examples=ex,
                       progress=False)
   part = etrain.train(CFG, tmp_path / "b", model=tiny_model, examples=ex,
@@ -109,21 +111,21 @@ def test_init_head_continues_from_an_exported_head(tiny_model, tmp_path):
   import jax
   from specjax.heads.export import load_head
   ex = _examples()
-  first = etrain.train(dataclasses.replace(CFG, steps=2,
-                                           export="specforge,speculators"),
+  first = etrain.train(CFG.updated({"steps": 2,
+                                    "export": "specforge,speculators"}),
                        tmp_path / "a", model=tiny_model, examples=ex,
                        progress=False)
   head = tmp_path / "a" / "head.npz"
   _, saved, ids = load_head(head)
   for fmt in ("specforge", "speculators"):
-    s = etrain.setup(dataclasses.replace(
-        CFG, steps=2, init_head=str(tmp_path / "a" / f"head-{fmt}")),
+    s = etrain.setup(CFG.updated({
+        "steps": 2, "head.init_head": str(tmp_path / "a" / f"head-{fmt}")}),
         model=tiny_model, examples=ex, progress=False)
     np.testing.assert_array_equal(s.vocab.ids, ids)
     jax.tree.map(np.testing.assert_array_equal, s.params,
                  jax.device_get(first.params))
-  cfg = dataclasses.replace(CFG, steps=2, draft_vocab=20,
-                            init_head=str(head))
+  cfg = CFG.updated({"steps": 2, "head.draft_vocab": 20,
+                     "head.init_head": str(head)})
   s = etrain.setup(cfg, model=tiny_model, examples=ex, progress=False)
   np.testing.assert_array_equal(s.vocab.ids, ids)
   np.testing.assert_array_equal(s.vocab.ids, first.setup.vocab.ids)
@@ -136,7 +138,7 @@ def test_init_head_continues_from_an_exported_head(tiny_model, tmp_path):
                                            saved["fc"]["kernel"])
   with pytest.raises(ValueError, match="is an eagle3 head; this run trains "
                      "eagle1"):
-    etrain.setup(dataclasses.replace(cfg, variant="eagle1"), model=tiny_model,
+    etrain.setup(cfg.updated({"head.variant": "eagle1"}), model=tiny_model,
                  examples=ex, progress=False)
 
 
@@ -199,26 +201,56 @@ def test_tokens_seen_counts_only_the_cached_rows():
   from specjax.training.evaluate import tokens_seen
   ex = _examples()
   ex = edata.Examples(ex.ids, ex.mask, np.arange(1, 11, dtype=np.int32))
-  train_ex, _ = edata.split(ex, CFG.heldout, CFG.seed)
-  cfg = dataclasses.replace(CFG, feature_cache=3)
+  train_ex, _ = edata.split(ex, CFG.data.heldout, CFG.seed)
+  cfg = CFG.updated({"data.feature_cache": 3})
   first3 = train_ex.lengths[:3]
   want = sum(int(first3[edata.batch_indices(i, 3, cfg.batch_size,
                                             cfg.seed)].sum())
              for i in range(4))
   assert tokens_seen(cfg, train_ex, 4) == want
-  assert tokens_seen(dataclasses.replace(cfg, feature_cache=0), train_ex,
+  assert tokens_seen(cfg.updated({"data.feature_cache": 0}), train_ex,
                      4) != want
 
 
-def test_override_types_and_errors():
-  """Invariant: --set values are typed by the field; bad keys/values name
-  the problem."""
-  cfg = etrain.override(CFG, ["steps=9", "lr=1e-4", "model=x.gguf"])
-  assert (cfg.steps, cfg.lr, cfg.model) == (9, 1e-4, "x.gguf")
-  with pytest.raises(ValueError, match="key one of"):
-    etrain.override(CFG, ["nope=1"])
-  with pytest.raises(ValueError, match="not a int"):
-    etrain.override(CFG, ["steps=many"])
+def test_config_paths_types_and_errors(tmp_path):
+  """Invariants: a config file's overrides set fields by dotted path, typed
+  by the field (ml_collections' flags); ``updated`` and ``from_dict`` do the
+  same in Python; a field that does not exist, a wrong type or a bad value
+  is a ValueError naming its path; a sweep's points are the file's
+  overrides plus each point."""
+  from specjax.training import config as tconfig
+  f = tmp_path / "exp.py"
+  f.write_text("from specjax.training.config import defaults\n"
+               "def get_config():\n  c = defaults()\n  c.steps = 7\n"
+               "  return c\n"
+               "def get_sweep():\n"
+               "  return [{'optim.lr': 1e-3}, {'optim.lr': 3e-3, 'seed': 2}]\n")
+  loaded = tconfig.load(str(f), ["--config.optim.lr=1e-4",
+                                 "--config.model", "x.gguf",
+                                 "--config.data.max_len=64"])
+  cfg = loaded.train
+  assert (cfg.steps, cfg.optim.lr, cfg.model, cfg.data.max_len) == (
+      7, 1e-4, "x.gguf", 64)
+  assert CFG.updated(tconfig.flat(dataclasses.asdict(cfg))) == cfg
+  assert cfg.updated({"optim.lr": 2e-4}).optim.lr == 2e-4
+  assert loaded.origin["overrides"][0] == "--config.optim.lr=1e-4"
+  points = tconfig.sweep(loaded, str(f))
+  assert [(c.optim.lr, c.seed, c.data.max_len, c.steps)
+          for _, c, _ in points] == [(1e-3, 0, 64, 7), (3e-3, 2, 64, 7)]
+  assert points[1][0] == "01-optim.lr=0.003,seed=2"
+  for bad, words in ((["--config.nope=1"], "no field: 'nope'"),
+                     (["--config.steps=many"], "--config.steps=many"),
+                     (["--config.ttt.steps=0"], "ttt.steps must be >= 1"),
+                     (["--steps=1"], "Unknown command line flag 'steps'")):
+    with pytest.raises(ValueError, match=re.escape(words)):
+      tconfig.load(str(f), bad)
+  for bad, words in (({"nope": 1}, "nope: no such field"),
+                     ({"steps": "many"}, "steps: 'many' is not a int"),
+                     ({"optim": 3}, "optim must be a mapping")):
+    with pytest.raises(ValueError, match=re.escape(words)):
+      tconfig.TrainConfig.from_dict(bad)
+  with pytest.raises(ValueError, match="optim.nope: no such field"):
+    CFG.updated({"optim.nope": 1})
 
 
 def test_batches_are_a_function_of_the_step():
@@ -260,8 +292,8 @@ def test_eagle1_keeps_target_copies_frozen(tiny_model, tmp_path):
   import jax
   from specjax.heads.base import HeadConfig
   from specjax.heads.vocab import build_draft_vocab
-  cfg = dataclasses.replace(CFG, variant="eagle1", ttt_steps=1, steps=3,
-                            draft_vocab=37)
+  cfg = CFG.updated({"head.variant": "eagle1", "ttt.steps": 1, "steps": 3,
+                     "head.draft_vocab": 37})
   run = etrain.train(cfg, tmp_path, model=tiny_model, examples=_examples(),
                      progress=False)
   tcfg, tparams = tiny_model.config, tiny_model.params
@@ -283,7 +315,7 @@ def test_heldout_accuracy_ignores_batch_padding(tiny_model, tmp_path):
   (1 - α^(K+1)) / (1 - α)."""
   from specjax.measure import theory
   from specjax.training import evaluate
-  cfg = dataclasses.replace(CFG, heldout=5, draft_vocab=37)
+  cfg = CFG.updated({"data.heldout": 5, "head.draft_vocab": 37})
   s = etrain.setup(cfg, model=tiny_model, examples=_examples(n=12),
                    progress=False)
   etrain.train(cfg, tmp_path, model=tiny_model, examples=_examples(n=12),
@@ -349,13 +381,12 @@ def test_schedule_as_data_matches_optax_warmup_cosine():
   import jax
   import jax.numpy as jnp
   import optax
-  cfg = dataclasses.replace(CFG, lr=1e-3, warmup=5, final_lr_fraction=0.1)
-  ocfg = etrain.OptimizerConfig.of(cfg)
+  ocfg = etrain.OptimizerConfig(lr=1e-3, warmup=5, final_lr_fraction=0.1)
   lr = jax.jit(lambda c, n: etrain.lr_at(ocfg, c, n))
   for total in (3, 6, 40):
     ref = optax.warmup_cosine_decay_schedule(
-        0.0, cfg.lr, cfg.warmup, max(total, cfg.warmup + 1),
-        end_value=cfg.lr * cfg.final_lr_fraction)
+        0.0, ocfg.lr, ocfg.warmup, max(total, ocfg.warmup + 1),
+        end_value=ocfg.lr * ocfg.final_lr_fraction)
     for c in (0, 1, 4, 5, 6, 20, 39, 40, 60):
       np.testing.assert_allclose(lr(jnp.int32(c), jnp.int32(total)), ref(c),
                                  rtol=1e-6, atol=1e-12)
@@ -367,12 +398,12 @@ def test_a_second_run_of_another_length_reuses_the_compiled_step(
   settings, not on the run's length or logging: a timing probe's compile
   serves the run it sizes (gpu_kit)."""
   ex = _examples()
-  etrain.train(dataclasses.replace(CFG, steps=2), tmp_path / "probe",
+  etrain.train(CFG.updated({"steps": 2}), tmp_path / "probe",
                model=tiny_model, examples=ex, progress=False)
   # Other tests in this process may have compiled other programs already.
   compiled = etrain.train_step._cache_size()
-  etrain.train(dataclasses.replace(CFG, steps=5, log_every=2,
-                                   checkpoint_every=0),
+  etrain.train(CFG.updated({"steps": 5, "log_every": 2,
+                            "checkpoint_every": 0}),
                tmp_path / "run", model=tiny_model, examples=ex,
                progress=False)
   assert etrain.train_step._cache_size() == compiled
@@ -391,7 +422,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_head(
   from specjax.heads.export import load_head
   if mutation:
     monkeypatch.setattr(etrain, "applies", lambda loss: True)
-  n, heldout = 10, CFG.heldout
+  n, heldout = 10, CFG.data.heldout
   bad = tiny_model.config.vocab_size  # out of range: its embedding is NaN
   ex = _examples(n)
   # The bad token appears only in a row first drawn at step 4 (index 3),
@@ -431,19 +462,19 @@ def test_a_resume_with_another_config_is_refused_unless_asked_for(
   import subprocess
   import jax
   ex, w = _examples(), tmp_path / "w"
-  cfg = dataclasses.replace(CFG, steps=2)
+  cfg = CFG.updated({"steps": 2})
   run = lambda c, **kw: etrain.train(c, w, model=tiny_model, examples=ex,
                                      progress=False, **kw)
-  run(cfg, origin=dict(config_file="exp.py", overrides=["steps=2"]))
+  run(cfg, origin=dict(config_file="exp.py", overrides=["--config.steps=2"]))
   files = {f: f.read_bytes() for f in w.rglob("*") if f.is_file()}
   with pytest.raises(etrain.ConfigChanged) as e:
-    run(dataclasses.replace(cfg, steps=4, lr=1e-3))
-  assert e.value.changes == {"steps": (2, 4), "lr": (3e-3, 1e-3)}
-  assert "steps 2 -> 4, lr 0.003 -> 0.001" in str(e.value)
+    run(cfg.updated({"steps": 4, "optim.lr": 1e-3}))
+  assert e.value.changes == {"steps": (2, 4), "optim.lr": (3e-3, 1e-3)}
+  assert "optim.lr 0.003 -> 0.001, steps 2 -> 4" in str(e.value)
   assert {f: f.read_bytes() for f in w.rglob("*") if f.is_file()} == files
-  assert etrain.config_changes(dataclasses.replace(
-      cfg, mesh="data=1", log_every=3, checkpoint_every=1, keep=1), w) == {}
-  assert run(dataclasses.replace(cfg, steps=4),
+  assert etrain.config_changes(cfg.updated(dict(
+      mesh="data=1", log_every=3, checkpoint_every=1, keep=1)), w) == {}
+  assert run(cfg.updated({"steps": 4}),
              allow_config_change=True).step == 4
   assert json.loads((w / "config.json").read_text())["steps"] == 4
   starts = [json.loads(l) for l in
@@ -466,10 +497,10 @@ def test_a_checkpoint_that_does_not_fit_is_named(tiny_model, tmp_path):
   different draft vocabulary) or a damaged one fails with one ValueError
   naming the checkpoint, before any step runs."""
   ex = _examples()
-  cfg = dataclasses.replace(CFG, steps=2)
+  cfg = CFG.updated({"steps": 2})
   etrain.train(cfg, tmp_path / "w", model=tiny_model, examples=ex,
                progress=False)
-  other = dataclasses.replace(cfg, steps=4, draft_vocab=20)
+  other = cfg.updated({"steps": 4, "head.draft_vocab": 20})
   with pytest.raises(ValueError, match=r"checkpoint '.*w/ckpt/2' does not "
                                        r"fit this run"):
     etrain.train(other, tmp_path / "w", model=tiny_model, examples=ex,
@@ -478,7 +509,7 @@ def test_a_checkpoint_that_does_not_fit_is_named(tiny_model, tmp_path):
     if f.is_file() and f.stat().st_size > 64:
       f.write_bytes(f.read_bytes()[:16])
   with pytest.raises(ValueError, match=r"checkpoint '.*w/ckpt/2'"):
-    etrain.train(dataclasses.replace(cfg, steps=4), tmp_path / "w",
+    etrain.train(cfg.updated({"steps": 4}), tmp_path / "w",
                  model=tiny_model, examples=ex, progress=False,
                  allow_config_change=True)
 

@@ -72,9 +72,13 @@ FLAGS = {
         ["configs/eagle3_smollm2.py", "configs", "/dev/null",
          "/no/such.py"]), "--workdir": st.sampled_from(
              ["WORK", "/dev/null", "/dev/null/x"]),
-              "--set": st.sampled_from(
-                  ["steps=3", "keep=0", "lr=nan", "variant=x", "steps=",
-                   "=3", "seed=-1", "batch_size=0", "nonsense"]),
+              "--config.steps": st.sampled_from(["3", "", "-1", "x"]),
+              "--config.keep": st.sampled_from(["0", "2"]),
+              "--config.optim.lr": st.sampled_from(["nan", "1e-3", "x"]),
+              "--config.head.variant": st.sampled_from(["x", "eagle1"]),
+              "--config.seed": st.sampled_from(["-1", "1"]),
+              "--config.nonsense": st.just("1"),
+              "--config.optim": st.just("3"),
               "--stop-after": INT, "--time-limit": INT},
     "demo": {"--max-new-tokens": INT},
 }
@@ -94,7 +98,8 @@ def argvs(draw):
     hostile = draw(st.integers(0, 2)) == 0
     value = draw((HOSTILE_TEXT if flags[flag] in (MODEL, METHOD, SHAPE, MESH)
                   or flag in ("--prompt", "--head", "--draft-model",
-                              "--config", "--workdir", "--set", "--task",
+                              "--config", "--workdir", "--config.head.variant",
+                              "--task",
                               "--dataset")
                   else HOSTILE_NUMBER) if hostile else flags[flag])
     argv.append(f"{flag}={value}")  # "=": a value may start with "-"

@@ -73,10 +73,11 @@ def test_step_plan_fits_the_budget():
   """Invariant: from a log with known compile and step times the plan
   recovers them per TTT length and picks the most steps whose time fits
   the budget, counting only compiles not yet paid."""
-  class One:
-    ttt_warm_fraction, ttt_warm_steps, ttt_steps = 0.0, 3, 3
-  class Two:
-    ttt_warm_fraction, ttt_warm_steps, ttt_steps = 0.85, 3, 7
+  from specjax.training.config import TrainConfig
+  One = TrainConfig().updated({"ttt.warm_fraction": 0.0, "ttt.warm_steps": 3,
+                               "ttt.steps": 3})
+  Two = TrainConfig().updated({"ttt.warm_fraction": 0.85,
+                               "ttt.warm_steps": 3, "ttt.steps": 7})
   times = kit_device.step_times(_log([(3, 30.0, 0.2, 8), (7, 40.0, 0.5, 8)]))
   assert times[3]["step_s"] == pytest.approx(0.2)
   assert times[7]["step_s"] == pytest.approx(0.5)
@@ -271,14 +272,14 @@ def test_last_call_sizes_the_run_and_compares_decoding(tmp_path):
   and the bf16 decode comparison reports AR and every EAGLE-3 chain and tree
   at each batch with their outputs compared, written as each batch ends and
   starting nothing past its deadline."""
-  import dataclasses
   import time
   from tests.test_eagle_train import CFG, _examples, make_tiny_model
   model = make_tiny_model()
   ex = _examples(20)
-  cfg = dataclasses.replace(CFG, steps=100, checkpoint_every=0, heldout=0)
+  cfg = CFG.updated({"steps": 100, "checkpoint_every": 0,
+                     "data.heldout": 0})
   from specjax.training import train as etrain
-  etrain.train(dataclasses.replace(cfg, steps=2), tmp_path / "h",
+  etrain.train(cfg.updated({"steps": 2}), tmp_path / "h",
                model=model, examples=ex, progress=False)
   (tmp_path / "plan.json").write_text(json.dumps(dict(
       times={"2": dict(step_s=0.5, compile_s=1.0)}, score_s=5.0)))

@@ -127,12 +127,17 @@ class World:
     self.home.mkdir()
     self.config = root / "config.py"
     self.config.write_text(
-        "from specjax.training.train import TrainConfig\n"
-        "def config():\n"
-        f"  return TrainConfig(model={str(self.model)!r}, "
-        "num_conversations=12, heldout=2, max_len=24, batch_size=2, "
-        f"steps={STEPS}, ttt_steps=2, draft_vocab=30, lr=3e-3, warmup=2, "
-        "checkpoint_every=2, keep=2, log_every=1)\n")
+        "from specjax.training.config import defaults\n"
+        "def get_config():\n"
+        "  c = defaults()\n"
+        f"  c.model = {str(self.model)!r}\n"
+        "  c.data.update(num_conversations=12, heldout=2, max_len=24)\n"
+        "  c.head.draft_vocab = 30\n"
+        "  c.ttt.steps = 2\n"
+        "  c.optim.update(lr=3e-3, warmup=2)\n"
+        f"  c.update(batch_size=2, steps={STEPS}, checkpoint_every=2, "
+        "keep=2, log_every=1)\n"
+        "  return c\n")
     self.prompts = root / "prompts.jsonl"
     self.prompts.write_text("".join(
         json.dumps(dict(prompt=p)) + "\n" for p in
@@ -200,7 +205,7 @@ def _survived(rc, err, *, killed):
 
 def _train_args(world, workdir, *sets):
   return ["train", "--config", world.config, "--workdir", workdir,
-          *[a for s in sets for a in ("--set", s)]]
+          *[f"--config.{s}" for s in sets]]
 
 
 def _lines(path: pathlib.Path) -> list[dict]:
@@ -448,7 +453,7 @@ def _random_kills(world, args, watch: pathlib.Path, gap: float, seed: int,
 
 
 # 16 batches of 2 examples (of a training split of 38), 10 steps over them.
-_CACHED = ("num_conversations=40", "feature_cache=32")
+_CACHED = ("data.num_conversations=40", "data.feature_cache=32")
 
 
 def _assert_cached_run_agrees(work, want):
@@ -462,8 +467,8 @@ def _assert_cached_run_agrees(work, want):
 
 
 def test_feature_cache_build_torn_resumes_to_the_same_files(world, tmp_path):
-  """Invariants: the feature-cache build of ``specjax train --set
-  feature_cache=32`` (16 batches of 2 examples) killed mid-write -- the first
+  """Invariants: the feature-cache build of ``specjax train
+  --config.data.feature_cache=32`` (16 batches of 2 examples) killed mid-write -- the first
   ``meta.json`` temporary (no cache recorded yet), batch 2's taps
   (``pwrite``, half written), batch 2's ``done`` counter, batch 3's
   in-vocab flags -- never crashes a rerun; after each kill meta.json is
@@ -594,3 +599,50 @@ def test_bench_journal_killed_at_random_times_resumes(world, tmp_path):
                            ref["gap"], seed=11, check=check)
   assert _records(work / "bench.journal") == want
   print(f"outside kills (exit, records): {outcomes}")
+
+
+def test_a_sweep_trains_each_point_and_resumes_each(world, tmp_path):
+  """Invariants: ``specjax train --sweep`` trains one run per point of the
+  file's ``get_sweep()`` in ``WORKDIR/NAME`` (the command line's overrides
+  under each point's), each recording its point; a killed sweep's rerun
+  leaves the finished points as they are and finishes the rest with the
+  losses an uninterrupted one has; a rerun whose overrides change what the
+  points train is refused, naming a point's directory, before anything
+  trains."""
+  sweep = tmp_path / "sweep.py"
+  sweep.write_text(
+      "import runpy\n"
+      f"get_config = runpy.run_path({str(world.config)!r})['get_config']\n"
+      "def get_sweep():\n"
+      "  return [{'optim.lr': 1e-3}, {'optim.lr': 3e-3, 'seed': 1}]\n")
+  work = tmp_path / "w"
+  args = ["train", "--config", sweep, "--workdir", work, "--sweep",
+          "--config.steps=4", "--config.log_every=1"]
+  rc, out, err = world.run(args)
+  assert rc == 0, err[-3000:]
+  names = ["00-optim.lr=0.001", "01-optim.lr=0.003,seed=1"]
+  assert sorted(p.name for p in work.iterdir()) == names
+  for name, (lr, seed) in zip(names, ((1e-3, 0), (3e-3, 1))):
+    saved = json.loads((work / name / "config.json").read_text())
+    assert (saved["optim"]["lr"], saved["seed"], saved["steps"]) == (
+        lr, seed, 4)
+    start = _lines(work / name / "provenance.jsonl")[-1]
+    assert start["sweep_point"] == ({"optim.lr": lr, "seed": 1} if seed
+                                    else {"optim.lr": lr})
+  want = {n: _lines(work / n / "metrics.jsonl") for n in names}
+  assert [len(v) for v in want.values()] == [4, 4]
+  assert want[names[0]][-1]["loss"] != want[names[1]][-1]["loss"]
+  # Killed after the first point ended: the rerun finishes the second.
+  again = tmp_path / "again"
+  again_args = [again if a == work else a for a in args]
+  done = lambda: (again / names[1] / "metrics.jsonl").is_file()
+  rc, _, _ = world.run(again_args, kill_when=done)
+  rc, out, err = world.run(again_args)
+  assert rc == 0, err[-3000:]
+  for n in names:
+    loss = lambda rows: [(r["step"], r["loss"]) for r in rows]
+    assert loss(_lines(again / n / "metrics.jsonl")) == loss(want[n])
+  rc, out, err = world.run([*args, "--config.optim.warmup=3"])
+  assert rc == 2 and "00-optim.lr=0.001" in err and (
+      "optim.warmup 2 -> 3" in err), err
+  assert [len(_lines(work / n / "metrics.jsonl")) for n in names] == [4, 4]

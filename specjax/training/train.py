@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import os
 import pathlib
 import sys
@@ -35,210 +34,14 @@ import optax
 from specjax.core import sharding
 from specjax.core.sampling import seed_key
 from specjax.heads import FROZEN, head_module
-from specjax.heads.base import VARIANTS, HeadConfig
+from specjax.heads.base import HeadConfig
 from specjax.heads.export import save_head
 from specjax.heads.vocab import DraftVocab, build_draft_vocab, draft_rows
 from specjax.models.target import Target
 from specjax.training import data as edata
+from specjax.training.config import (ConfigChanged, OptimizerConfig,
+                                     TrainConfig, config_changes)
 from specjax.training.ttt import head_loss, loss_rows, target_batch
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-  """Everything a run depends on (``specjax train --set key=value``).
-
-  Attributes:
-    model: target model (name, .gguf or HF dir).
-    variant: "eagle3", "eagle1" (the baseline; full vocabulary) or
-      "medusa" (``medusa_heads`` residual blocks on the last hidden state).
-    medusa_heads: a Medusa head's depths.
-    num_conversations: ShareGPT conversations read (before the split).
-    heldout: conversations kept out for evaluation.
-    max_len: tokens per example (truncated / padded).
-    batch_size: examples per step.
-    steps: optimizer steps in total.
-    ttt_steps: TTT length K (unrolled draft steps).
-    ttt_warm_steps, ttt_warm_fraction: a shorter TTT for the first fraction
-      of steps (half the cost per step while the head is far from useful).
-    draft_vocab: Vd.
-    lr, warmup, final_lr_fraction, weight_decay, clip_norm, b2: optimizer.
-    seed: data order and init.
-    checkpoint_every, keep: orbax checkpoint cadence and retention;
-      ``checkpoint_every = 0`` saves none (a run that cannot be resumed
-      anyway, like a GPU lease: only the exported head comes back).
-    log_every: metrics cadence.
-    regenerate: 0 trains on the dataset's own replies; N > 0 on the first N
-      training conversations with their first reply rewritten by the target
-      (``eagle.regenerate``; the held-out split is rewritten too).
-    regen_temperature, regen_max_new_tokens: how the target writes them.
-    feature_cache: 0 runs the target on the fly over the whole training
-      split; N > 0 runs it once over the first N training examples, caches
-      its outputs in ``workdir/features`` (``eagle.features``: bf16, 4.6 KB
-      per token slot for SmolLM2) and trains epochs over those N.
-    rows_bucket: the LM head runs on a batch's assistant positions rounded
-      up to ``batch_size * rows_bucket`` rows (``ttt.loss_rows``); each
-      distinct count is one compile. ``max_len`` means all rows, one
-      compile: the choice where the LM head is cheap and compiles are not
-      (GPU).
-    init_layer: "random" (normal(0.02) layer weights) or "target": an
-      EAGLE-3 head's layer starts as the target layer its high tap feeds
-      (``warm_layer``).
-    init_head: a head file (``export.save_head``) or an EAGLE-3 head
-      directory in the SpecForge or speculators layout to start from, its
-      parameters and draft vocabulary, instead of the warm-started random
-      init: a run continued on another machine (a GPU lease returns the
-      head, not the optimizer state, which starts afresh).
-    export: ``"specforge"``, ``"speculators"`` or both, comma-separated:
-      the finished EAGLE-3 head also goes to ``workdir/head-FORMAT/`` in
-      that layout (``heads.interop``), for SGLang/SpecForge or vLLM.
-    mesh: "" trains on one device; ``"data=8"`` or ``"data=4,model=2"``
-      (``sharding.make_mesh``) trains data-parallel over the mesh: each
-      batch split over ``data``, the frozen target laid out as for decoding
-      (tensor-parallel over ``model``), the head and optimizer state
-      replicated (XLA all-reduces the gradients). Checkpoints restore onto
-      whatever mesh the resuming run has.
-  """
-  model: str = "smollm2-135m"
-  variant: str = "eagle3"
-  medusa_heads: int = 4
-  num_conversations: int = 4000
-  heldout: int = 64
-  max_len: int = 512
-  batch_size: int = 2
-  steps: int = 1000
-  ttt_steps: int = 7
-  ttt_warm_steps: int = 3
-  ttt_warm_fraction: float = 0.0
-  draft_vocab: int = 16384
-  lr: float = 3e-4
-  warmup: int = 20
-  final_lr_fraction: float = 0.1
-  weight_decay: float = 0.0
-  clip_norm: float = 0.5
-  b2: float = 0.95
-  seed: int = 0
-  checkpoint_every: int = 50
-  keep: int = 3
-  log_every: int = 10
-  regenerate: int = 0
-  regen_temperature: float = 0.7
-  regen_max_new_tokens: int = 384
-  feature_cache: int = 0
-  rows_bucket: int = 64
-  init_layer: str = "random"
-  init_head: str = ""
-  mesh: str = ""
-  export: str = ""
-
-  def __post_init__(self):
-    if self.variant not in VARIANTS:
-      raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got "
-                       f"{self.variant!r}")
-    if self.init_layer not in ("random", "target"):
-      raise ValueError(f"init_layer must be random or target, got "
-                       f"{self.init_layer!r}")
-    if self.init_layer == "target" and self.variant != "eagle3":
-      raise ValueError("init_layer=target is for EAGLE-3 heads")
-    from specjax.heads.interop import check_export
-    for fmt in filter(None, self.export.split(",")):
-      try:
-        check_export(fmt, self.variant)
-      except ValueError as e:
-        raise ValueError(f"export: {e}") from None
-    for name in ("max_len", "batch_size", "steps", "ttt_steps", "medusa_heads",
-                 "ttt_warm_steps", "draft_vocab", "rows_bucket", "log_every",
-                 "num_conversations", "regen_max_new_tokens"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-    # keep = 0 would let orbax keep no checkpoint: a rerun would start over.
-    if self.keep < 1:
-      raise ValueError(f"keep must be >= 1 (checkpoints kept), got "
-                       f"{self.keep}; checkpoint_every=0 saves none")
-    for name in ("checkpoint_every", "heldout", "warmup", "regenerate",
-                 "feature_cache", "seed"):
-      if getattr(self, name) < 0:
-        raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-    for name, ok, rule in (
-        ("lr", lambda v: 0 < v < math.inf, "> 0"),
-        ("clip_norm", lambda v: 0 < v < math.inf, "> 0"),
-        ("weight_decay", lambda v: 0 <= v < math.inf, ">= 0"),
-        ("regen_temperature", lambda v: 0 <= v < math.inf, ">= 0"),
-        ("b2", lambda v: 0 <= v <= 1, "in [0, 1]"),
-        ("final_lr_fraction", lambda v: 0 <= v <= 1, "in [0, 1]"),
-        ("ttt_warm_fraction", lambda v: 0 <= v <= 1, "in [0, 1]")):
-      if not ok(getattr(self, name)):  # NaN fails every rule
-        raise ValueError(f"{name} must be {rule}, got {getattr(self, name)}")
-    if self.init_head and not pathlib.Path(self.init_head).exists():
-      raise ValueError(f"init_head: no head file or directory "
-                       f"{self.init_head!r}")
-
-  def ttt_at(self, step: int) -> int:
-    warm = step < int(self.ttt_warm_fraction * self.steps)
-    return self.ttt_warm_steps if warm else self.ttt_steps
-
-
-def override(cfg: TrainConfig, assignments: list[str]) -> TrainConfig:
-  """Applies ``key=value`` strings, typed by the field's default."""
-  fields = {f.name: f for f in dataclasses.fields(cfg)}
-  changes = {}
-  for a in assignments:
-    key, sep, value = a.partition("=")
-    if not sep or key not in fields:
-      raise ValueError(f"--set {a!r}: expected key=value with key one of "
-                       f"{', '.join(fields)}")
-    kind = type(getattr(cfg, key))
-    try:
-      changes[key] = (value if kind is str else
-                      value.lower() in ("1", "true", "yes") if kind is bool
-                      else kind(value))
-    except ValueError:
-      raise ValueError(f"--set {key}: {value!r} is not a {kind.__name__}"
-                       ) from None
-  return dataclasses.replace(cfg, **changes)
-
-
-# Fields a resume may change freely: where the run computes (its mesh) and
-# its bookkeeping (how often it logs and saves, how many checkpoints it
-# keeps). Any other field changes what is trained.
-FREE_ON_RESUME = frozenset({"mesh", "log_every", "checkpoint_every", "keep",
-                            "export"})
-
-
-class ConfigChanged(ValueError):
-  """A resume whose config differs from the run's: ``changes`` maps each
-  field to (the run's value, the new one)."""
-
-  def __init__(self, workdir, changes: dict):
-    self.workdir, self.changes = str(workdir), changes
-    super().__init__(f"{self.summary()}; pass allow_config_change=True to "
-                     "go on with the new ones")
-
-  def summary(self) -> str:
-    fields = ", ".join(f"{k} {a!r} -> {b!r}"
-                       for k, (a, b) in self.changes.items())
-    return (f"{self.workdir!r} holds a run started with other settings: "
-            f"{fields}")
-
-
-def config_changes(cfg: TrainConfig, workdir) -> dict:
-  """``{field: (the run's value, cfg's)}`` for each field outside
-  ``FREE_ON_RESUME`` on which ``cfg`` differs from the config the run in
-  ``workdir`` started with (its ``config.json``); empty for a new run. A
-  field the file predates counts as its default."""
-  path = pathlib.Path(workdir) / "config.json"
-  if not path.is_file():
-    return {}
-  try:
-    saved = json.loads(path.read_text())
-  except (OSError, UnicodeDecodeError, ValueError) as e:
-    raise ValueError(f"{str(path)!r} is not a run's config: {e}") from None
-  if not isinstance(saved, dict):
-    raise ValueError(f"{str(path)!r} is not a run's config: a JSON "
-                     f"{type(saved).__name__}")
-  defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-  return {k: (saved.get(k, defaults[k]), v)
-          for k, v in dataclasses.asdict(cfg).items()
-          if k not in FREE_ON_RESUME and saved.get(k, defaults[k]) != v}
 
 
 # The packages whose versions a run records.
@@ -282,25 +85,6 @@ def provenance() -> dict:
                            processes=jax.process_count()))
 
 
-@dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
-  """What the optimizer reads (``TrainConfig``'s fields of these names):
-  the compiled step's static argument, so each distinct value compiles
-  once and no other setting can reach the step unseen."""
-  variant: str  # which parameters stay frozen (``heads.FROZEN``)
-  lr: float
-  warmup: int
-  final_lr_fraction: float
-  weight_decay: float
-  clip_norm: float
-  b2: float
-
-  @classmethod
-  def of(cls, cfg: TrainConfig) -> "OptimizerConfig":
-    return cls(**{f.name: getattr(cfg, f.name)
-                  for f in dataclasses.fields(cls)})
-
-
 def lr_at(ocfg: OptimizerConfig, count, total_steps):
   """Learning rate at optimizer step ``count``: linear warmup from 0 to
   ``lr`` over ``warmup`` steps, then a cosine down to ``lr *
@@ -315,16 +99,16 @@ def lr_at(ocfg: OptimizerConfig, count, total_steps):
   return ocfg.lr * jnp.where(count < warm, count / warm, cosine)
 
 
-def optimizer(ocfg: OptimizerConfig, params, total_steps
+def optimizer(ocfg: OptimizerConfig, variant: str, params, total_steps
               ) -> optax.GradientTransformation:
-  """Clip -> AdamW(warmup-cosine over ``total_steps``); copies of target
-  weights stay frozen. The state's structure does not depend on
-  ``total_steps``."""
+  """Clip -> AdamW(warmup-cosine over ``total_steps``); a ``variant``
+  head's copies of target weights (``heads.FROZEN``) stay frozen. The
+  state's structure does not depend on ``total_steps``."""
   train = optax.chain(optax.clip_by_global_norm(ocfg.clip_norm),
                       optax.adamw(lambda c: lr_at(ocfg, c, total_steps),
                                   b1=0.9, b2=ocfg.b2,
                                   weight_decay=ocfg.weight_decay))
-  frozen = FROZEN[ocfg.variant]
+  frozen = FROZEN[variant]
   labels = {k: ("frozen" if k in frozen else "train") for k in params}
   return optax.multi_transform(
       {"train": train, "frozen": optax.set_to_zero()}, labels)
@@ -332,7 +116,7 @@ def optimizer(ocfg: OptimizerConfig, params, total_steps
 
 def init_state(cfg: TrainConfig, params) -> dict:
   """``{"params", "opt"}``: a run's state before its first step."""
-  opt = optimizer(OptimizerConfig.of(cfg), params, cfg.steps)
+  opt = optimizer(cfg.optim, cfg.head.variant, params, cfg.steps)
   return {"params": params, "opt": opt.init(params)}
 
 
@@ -347,8 +131,8 @@ def train_step(state, batch, embed_VD, total_steps, *, ocfg: OptimizerConfig,
   (loss, m), g = jax.value_and_grad(
       lambda p: head_loss(p, hcfg, embed_VD, batch, K, rows=rows),
       has_aux=True)(params)
-  upd, opt_state = optimizer(ocfg, params, total_steps).update(
-      g, state["opt"], params)
+  opt = optimizer(ocfg, hcfg.variant, params, total_steps)
+  upd, opt_state = opt.update(g, state["opt"], params)
   return ({"params": optax.apply_updates(params, upd), "opt": opt_state},
           loss, m, optax.tree.norm(g))
 
@@ -453,36 +237,36 @@ def setup(cfg: TrainConfig, *, model=None,
       cfg.model, native=False if mesh else None), mesh)
   tcfg = model.config
   if examples is None:
-    examples = edata.sharegpt_examples(model.tokenizer, cfg.num_conversations,
-                                       cfg.max_len, progress=progress)
-  train_ex, heldout_ex = edata.split(examples, cfg.heldout, cfg.seed)
-  if cfg.regenerate:
+    examples = edata.sharegpt_examples(model.tokenizer, cfg.data.num_conversations,
+                                       cfg.data.max_len, progress=progress)
+  train_ex, heldout_ex = edata.split(examples, cfg.data.heldout, cfg.seed)
+  if cfg.data.regenerate:
     from specjax.core.sampling import SamplingParams
     from specjax.training.regenerate import regenerate
     rewrite = lambda ex: regenerate(
-        model, ex, max_new_tokens=cfg.regen_max_new_tokens,
-        sampling=SamplingParams(temperature=cfg.regen_temperature),
+        model, ex, max_new_tokens=cfg.data.regen_max_new_tokens,
+        sampling=SamplingParams(temperature=cfg.data.regen_temperature),
         seed=cfg.seed, progress=progress)
-    train_ex = rewrite(train_ex.take(np.arange(min(cfg.regenerate,
+    train_ex = rewrite(train_ex.take(np.arange(min(cfg.data.regenerate,
                                                    len(train_ex)))))
     heldout_ex = rewrite(heldout_ex)
-  if cfg.init_head:
+  if cfg.head.init_head:
     from specjax.heads.export import load_head
-    hcfg, params, ids = load_head(cfg.init_head, tcfg)
-    if hcfg.variant != cfg.variant:
-      raise ValueError(f"init_head {cfg.init_head!r} is an {hcfg.variant} "
-                       f"head; this run trains {cfg.variant}")
+    hcfg, params, ids = load_head(cfg.head.init_head, tcfg)
+    if hcfg.variant != cfg.head.variant:
+      raise ValueError(f"init_head {cfg.head.init_head!r} is an {hcfg.variant} "
+                       f"head; this run trains {cfg.head.variant}")
     return Setup(model, train_ex, heldout_ex,
                  DraftVocab.from_ids(ids, tcfg.vocab_size), hcfg, params)
-  vd = tcfg.vocab_size if cfg.variant == "eagle1" else cfg.draft_vocab
+  vd = tcfg.vocab_size if cfg.head.variant == "eagle1" else cfg.head.draft_vocab
   vocab = build_draft_vocab(
       (r[m] for r, m in zip(train_ex.ids, train_ex.mask)), tcfg.vocab_size,
       min(vd, tcfg.vocab_size), always=tcfg.eos_ids)
-  depths = dict(medusa_heads=cfg.medusa_heads) if cfg.variant == "medusa" else {}
-  hcfg = HeadConfig.for_target(tcfg, vocab.size, variant=cfg.variant, **depths)
+  depths = dict(medusa_heads=cfg.head.medusa_heads) if cfg.head.variant == "medusa" else {}
+  hcfg = HeadConfig.for_target(tcfg, vocab.size, variant=cfg.head.variant, **depths)
   params = init_head(seed_key(cfg.seed), hcfg, model.target,
                      model.params, vocab)
-  if cfg.init_layer == "target":
+  if cfg.head.init_layer == "target":
     params = warm_layer(params, hcfg, model.target, model.params)
   return Setup(model, train_ex, heldout_ex, vocab, hcfg, params)
 
@@ -491,9 +275,9 @@ def trained_examples(cfg: TrainConfig, train_ex: edata.Examples
                      ) -> edata.Examples:
   """The rows the run's batches are drawn from: the whole training split,
   or with ``feature_cache = N`` its first N (the cached ones)."""
-  if not cfg.feature_cache:
+  if not cfg.data.feature_cache:
     return train_ex
-  return train_ex.take(np.arange(min(cfg.feature_cache, len(train_ex))))
+  return train_ex.take(np.arange(min(cfg.data.feature_cache, len(train_ex))))
 
 
 def checkpoints(workdir) -> "ocp.CheckpointManager":
@@ -561,7 +345,7 @@ def train(cfg: TrainConfig, workdir: str, *, model=None,
     _write_atomic(work / "config.json",
                   json.dumps(dataclasses.asdict(cfg), indent=1))
   s = setup(cfg, model=model, examples=examples, progress=progress)
-  state, ocfg = init_state(cfg, s.params), OptimizerConfig.of(cfg)
+  state = init_state(cfg, s.params)
   mesh = s.model.mesh
   if mesh is not None:  # data-parallel: every device holds the whole head
     state = sharding.replicate(state, mesh)
@@ -590,13 +374,13 @@ def train(cfg: TrainConfig, workdir: str, *, model=None,
     # One compile per (TTT length or Medusa depths, bucket of assistant
     # positions).
     K = s.hcfg.medusa_heads or cfg.ttt_at(step)
-    rows = loss_rows(ex.mask, cfg.batch_size * cfg.rows_bucket)
+    rows = loss_rows(ex.mask, cfg.batch_size * cfg.ttt.rows_bucket)
     batch = get_batch(idx, ex)
     if mesh is not None:  # rows over the data axis
       batch = sharding.shard_batch(batch, mesh)
     embed_VD = s.model.target.embedding(s.model.params)
     new, loss, m, gnorm = train_step(state, batch, embed_VD,
-                                     np.int32(cfg.steps), ocfg=ocfg,
+                                     np.int32(cfg.steps), ocfg=cfg.optim,
                                      hcfg=s.hcfg, K=K, rows=rows)
     loss = float(sharding.to_host(loss))  # the one sync a step needs
     if not applies(loss):
@@ -647,7 +431,7 @@ def train(cfg: TrainConfig, workdir: str, *, model=None,
 def _batches(cfg: TrainConfig, s: Setup, work: pathlib.Path, progress: bool):
   """``(rows trained on, (idx, examples) -> TTTBatch)``: the target run on
   the fly, or (``feature_cache``) read from the features cached in ``work``."""
-  if not cfg.feature_cache:
+  if not cfg.data.feature_cache:
     features = s.features()
     return s.train_ex, lambda idx, ex: features(s.model.params, s.vocab,
                                                 ex.ids, ex.mask)
