@@ -40,7 +40,7 @@ TUNIX_PKGS := google-tunix==0.1.7 google_metrax==0.2.4 clu==0.0.12 \
   einops==0.8.2 grain==0.2.18 cloudpickle==3.1.3 portpicker==1.6.0 \
   array_record==0.8.6
 
-# The native CPU kernels (specjax/kernels/native.py: a small-row matmul and decode
+# The native CPU kernels (specjax/kernels/: small_gemm, a small-row matmul, and decode
 # attention) build with the package (setup.py), so the editable install below
 # compiles them; this rule only recompiles them when their sources change. If
 # they cannot be built, specjax warns once at run time and uses XLA's ops.

@@ -7,7 +7,7 @@ library multiplies the same M rows by all of SmolLM2-135M's matmul weights
 (120 layer matrices and the LM head, 538 MB of f32), each in the layout it
 prefers, with the machine's cores:
 
-  native    ``specjax.kernels.native.small_matmul`` on packed panels (jitted);
+  native    ``specjax.kernels.small_gemm.small_matmul`` on packed panels (jitted);
   xla       XLA's dot, ``x @ W`` (jitted), the path it replaces;
   openblas  numpy's ``x @ W`` (numpy links the scipy-openblas build);
   mkl       torch's ``F.linear`` on ``[out, in]`` weights (MKL's sgemm);
@@ -33,14 +33,14 @@ import jax.numpy as jnp
 import numpy as np
 from benchmarks.bench_verify import programs, weights_KN
 from benchmarks.common import machine, median
-from specjax.kernels import native
+from specjax.kernels import native, small_gemm
 from specjax.measure.bench import git_sha
 from specjax.models.registry import load_model
 
 
 def jax_calls(ws: list, M: int) -> dict:
   """The native and XLA programs of ``bench_verify.programs``."""
-  progs = programs(ws, [native.pack(w) for w in ws], M)
+  progs = programs(ws, [small_gemm.pack(w) for w in ws], M)
   return {name: lambda fn=fn, a=a: jax.block_until_ready(fn(*a))
           for name, (fn, a) in progs.items() if name != "read"}
 

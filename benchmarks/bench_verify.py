@@ -11,7 +11,7 @@ read's time over the one-token step's, at the first batch size).
 ``matmul``: per row count M, three jitted programs:
 every layer's four matmuls (fused q/k/v, o, fused gate/up, down: 120 for 30
 layers) plus the LM head on independent inputs, once as XLA's ``x @ W`` and
-once as ``native.small_matmul`` on packed weights, and a read of every
+once as ``small_gemm.small_matmul`` on packed weights, and a read of every
 weight once (a sum: the weight-read roofline). Timed round-robin (one call
 of each per round), median over rounds. Prints one JSON line: ms per
 program and M, the ratio to M = 1, the machine and the kernels' instruction
@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from benchmarks.common import machine, median, timed
 from benchmarks.gpu.cost_curve import context_cache, donated_forward  # noqa: E501
-from specjax.kernels import native
+from specjax.kernels import native, small_gemm
 from specjax.measure.bench import git_sha
 from specjax.models.registry import load_model
 
@@ -53,7 +53,7 @@ def programs(ws: list, packed: list, M: int):
   """(xla, native, read) jitted callables and their arguments."""
   xs = [jnp.ones((M, w.shape[0]), jnp.float32) for w in ws]
   xla = jax.jit(lambda xs, ws: [x @ w for x, w in zip(xs, ws)])
-  nat = jax.jit(lambda xs, ps: [native.small_matmul(x, p, w.shape[1])
+  nat = jax.jit(lambda xs, ps: [small_gemm.small_matmul(x, p, w.shape[1])
                                 for x, p, w in zip(xs, ps, ws)])
   return {"xla": (xla, (xs, ws)), "native": (nat, (xs, packed)),
           "read": weight_read(ws)}
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
 def matmuls(ws: list, rows: list[int], repeats: int) -> dict:
   """The layer matmuls and LM head alone, and the weight read."""
   calls = {}
-  packed = [native.pack(w) for w in ws]
+  packed = [small_gemm.pack(w) for w in ws]
   for M in rows:
     for name, (fn, a) in programs(ws, packed, M).items():
       if name == "read" and M != rows[0]:

@@ -612,10 +612,11 @@ def test_a_rows_output_is_its_own_in_any_batch(tiny, method):
 def test_rows_with_their_own_sampling_share_one_compile(tiny, method,
                                                         monkeypatch):
   """Invariant: sampling values are data. A batch whose rows have
-  different temperatures, top-p, penalties and biases (a greedy row among
-  them), then a sweep of those values, compile one generate (trace
-  count); each row's tokens and log-probs are the ones it gets alone, in
-  the program of its own settings (prompt index kept) -- AR and a chain."""
+  different temperatures, top-k (rows without it among them), top-p,
+  penalties and biases (a greedy row among them), then a sweep of those
+  values, compile one generate (trace count); each row's tokens and
+  log-probs are the ones it gets alone, in the program of its own settings
+  (prompt index kept) -- AR and a chain."""
   from specjax.core import runner
   from specjax.drafters import AR, Method
   cfg, params = tiny
@@ -625,7 +626,8 @@ def test_rows_with_their_own_sampling_share_one_compile(tiny, method,
        else AR)
   mixed = [SamplingParams(0.9, top_p=0.95), SamplingParams(),
            SamplingParams(1.3, top_p=0.8, presence_penalty=0.5),
-           SamplingParams(0.6, repetition_penalty=1.2, logit_bias={7: 2.0})]
+           SamplingParams(0.6, top_k=5, repetition_penalty=1.2,
+                          logit_bias={7: 2.0})]
   traces = []
   real_prefill = engine.prefill
   monkeypatch.setattr(engine, "prefill",
@@ -651,7 +653,7 @@ def test_rows_whose_sampling_does_not_fit_the_program_are_refused():
   """Invariant: ``RowSampling.build`` refuses a row the program cannot
   honour, naming the row and the setting (never a silent clip)."""
   program = SamplingParams(0.7, top_k=8)
-  for row, words in [(SamplingParams(0.7, top_k=9), "top_k must be in"),
+  for row, words in [(SamplingParams(0.7, top_k=9), "top_k must be at most"),
                      (SamplingParams(0.7, top_k=4, top_p=0.9), "top_p"),
                      (SamplingParams(0.7, top_k=4, min_p=0.1), "min_p"),
                      (SamplingParams(0.7, top_k=4, presence_penalty=1.0),
@@ -662,10 +664,31 @@ def test_rows_whose_sampling_does_not_fit_the_program_are_refused():
       RowSampling.build(program, [SamplingParams(0.5, top_k=2), row])
   with pytest.raises(ValueError, match="greedy"):
     RowSampling.build(SamplingParams(), [SamplingParams(0.5)])
-  # A greedy row fits any sampled program: it takes its neutral values.
+  # A greedy row fits any sampled program: its cuts are off; so does a
+  # sampled row without top-k.
   rows = RowSampling.build(program, [SamplingParams(),
-                                     SamplingParams(0.5, top_k=4)])
-  assert rows.top_k.tolist() == [8, 4] and rows.temperature[0] == 0
+                                     SamplingParams(0.5, top_k=4),
+                                     SamplingParams(0.5)])
+  assert rows.top_k.tolist() == [0, 4, 0] and rows.temperature[0] == 0
+
+
+def test_the_program_of_several_settings():
+  """Invariant: ``program_of`` holds every setting it is given and no
+  more: the sampled rows' widest top-k (a greedy row's cuts never count),
+  each option on where a row uses it; a top-k of the vocabulary or more
+  is written as off, so it compiles no top-k over the vocabulary."""
+  V = 40
+  rows = [sp.for_vocab(V) for sp in (
+      SamplingParams(top_k=30, top_p=0.5), SamplingParams(0.7, top_k=50),
+      SamplingParams(0.9, top_k=6, logit_bias={1: 1.0, 2: 1.0}),
+      SamplingParams(0.8, frequency_penalty=0.3))]
+  assert rows[1].top_k == 0
+  program = SamplingParams.program_of(rows)
+  assert program == SamplingParams(1.0, top_k=6, repetition_penalty=2.0,
+                                   logit_bias=((0, 0.0),) * 2)
+  RowSampling.build(program, rows)  # every row fits
+  assert SamplingParams.program_of(rows[:2]) == SamplingParams(1.0)
+  assert SamplingParams.program_of([rows[0]]) == SamplingParams()
 
 
 @pytest.mark.parametrize("method", METHODS_4)

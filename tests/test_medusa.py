@@ -186,8 +186,8 @@ def test_trainer_trains_medusa_and_methods_load_it(tmp_path):
   from specjax.training import train as etrain
   from tests.test_eagle_train import CFG as TRAIN, _examples, make_tiny_model
   model = make_tiny_model()
-  cfg = dataclasses.replace(TRAIN, variant="medusa", medusa_heads=3, steps=3,
-                            draft_vocab=37)
+  cfg = TRAIN.updated({"head.variant": "medusa", "head.medusa_heads": 3,
+                       "steps": 3, "head.draft_vocab": 37})
   run = etrain.train(cfg, tmp_path / "run", model=model,
                      examples=_examples(), progress=False)
   init = run.setup.params

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.kernels import native
+from specjax.kernels import attention as native_attention
+from specjax.kernels import native, small_gemm
 
 # SmolLM2's matrices, and odd ones: N not a multiple of 16, odd K, N < 16.
 SHAPES = [(576, 1728), (576, 3072), (1536, 576), (577, 1000), (5, 17),
@@ -23,10 +24,10 @@ def test_small_matmul_equals_xla_dot(K, N):
   assert native.available(), "built with the package (setup.py)"
   rng = np.random.default_rng(K * N)
   w = jnp.asarray(rng.standard_normal((K, N)), jnp.float32)
-  packed = native.pack(w)
-  assert packed.shape == (-(-N // native.LANES), K, native.LANES)
-  np.testing.assert_array_equal(native.unpack(packed, N), w)
-  f = jax.jit(lambda x, p: native.small_matmul(x, p, N))
+  packed = small_gemm.pack(w)
+  assert packed.shape == (-(-N // small_gemm.LANES), K, small_gemm.LANES)
+  np.testing.assert_array_equal(small_gemm.unpack(packed, N), w)
+  f = jax.jit(lambda x, p: small_gemm.small_matmul(x, p, N))
   for M in ROWS:
     x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
     ref = np.asarray(x @ w)
@@ -46,11 +47,11 @@ def test_bf16_panels_give_the_f32_product(K, N, use_native, monkeypatch):
   rng = np.random.default_rng(K + N)
   w = jnp.asarray(rng.standard_normal((K, N)), jnp.bfloat16).astype(
       jnp.float32)
-  assert native.exact_in(w, jnp.bfloat16)
-  assert not native.exact_in(w + 1e-4, jnp.bfloat16)
-  p32, p16 = native.pack(w), native.pack(w, jnp.bfloat16)
+  assert small_gemm.exact_in(w, jnp.bfloat16)
+  assert not small_gemm.exact_in(w + 1e-4, jnp.bfloat16)
+  p32, p16 = small_gemm.pack(w), small_gemm.pack(w, jnp.bfloat16)
   assert p16.dtype == jnp.bfloat16 and p16.shape == p32.shape
-  f = jax.jit(lambda x, p: native.small_matmul(x, p, N))
+  f = jax.jit(lambda x, p: small_gemm.small_matmul(x, p, N))
   for M in ROWS:
     x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
     np.testing.assert_array_equal(np.asarray(f(x, p16)),
@@ -64,11 +65,11 @@ def test_small_matmul_runs_inside_compiled_loops():
   rng = np.random.default_rng(1)
   w = jnp.asarray(rng.standard_normal((48, 48)) / 7, jnp.float32)
   x = jnp.asarray(rng.standard_normal((3, 48)), jnp.float32)
-  packed = native.pack(w)
+  packed = small_gemm.pack(w)
   loop = lambda mm: jax.jit(lambda x: jax.lax.fori_loop(
       0, 5, lambda i, h: jnp.tanh(mm(h)), x))
   np.testing.assert_allclose(
-      loop(lambda h: native.small_matmul(h, packed, 48))(x),
+      loop(lambda h: small_gemm.small_matmul(h, packed, 48))(x),
       loop(lambda h: h @ w)(x), rtol=1e-5, atol=1e-6)
 
 
@@ -85,7 +86,7 @@ def test_switched_off_it_warns_once_and_uses_xla(monkeypatch):
   rng = np.random.default_rng(2)
   w = jnp.asarray(rng.standard_normal((40, 20)), jnp.float32)
   x = jnp.asarray(rng.standard_normal((4, 40)), jnp.float32)
-  np.testing.assert_allclose(native.small_matmul(x, native.pack(w), 20),
+  np.testing.assert_allclose(small_gemm.small_matmul(x, small_gemm.pack(w), 20),
                              x @ w, rtol=1e-5, atol=1e-5)
   monkeypatch.setattr(native, "_status", {})
   monkeypatch.setattr(native, "LIBRARY", native.LIBRARY.with_name("none.so"))
@@ -146,7 +147,7 @@ def test_vmap_over_the_custom_call():
   rng = np.random.default_rng(4)
   w = jnp.asarray(rng.standard_normal((24, 40)), jnp.float32)
   x = jnp.asarray(rng.standard_normal((3, 2, 24)), jnp.float32)
-  f = jax.vmap(lambda x: native.small_matmul(x, native.pack(w), 40))
+  f = jax.vmap(lambda x: small_gemm.small_matmul(x, small_gemm.pack(w), 40))
   np.testing.assert_allclose(jax.jit(f)(x), x @ w, rtol=1e-5, atol=1e-5)
 
 
@@ -180,7 +181,7 @@ def test_attention_equals_xla_and_never_reads_stale_slots(B, T, N, G, H, S,
   prefix = (jnp.arange(S)[None, :] < lens[:, None])[:, None, :]
   new = (k_new, v_new, jnp.repeat(mask, N // G, axis=1))
   ref = layers.attention(q, k, v, prefix, new=new)
-  f = jax.jit(native.attention)
+  f = jax.jit(native_attention.attention)
   np.testing.assert_allclose(f(q, k, v, k_new, v_new, lens, mask), ref,
                              atol=1e-5)
   kw, vw = write_kv(jnp.asarray(k), jnp.asarray(v), k_new, v_new,
@@ -382,7 +383,7 @@ def test_grad_runs_through_the_kernels_and_keeps_tied_weights_tied():
   # Over the packed params: each packed weight's gradient is packed.
   packed = decoder.pack_params(params)
   g = jax.grad(loss)(packed)
-  close(g.layers[0].wqkv.panels, native.pack(want.layers[0].wqkv))
+  close(g.layers[0].wqkv.panels, small_gemm.pack(want.layers[0].wqkv))
 
   @jax.jit
   def rollout_and_grad(p):  # the pytree generate and grad both take

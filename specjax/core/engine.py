@@ -322,25 +322,16 @@ def _verify_forward(params, target: Target, block_BT, cache, taps, width: int,
                      new_kv=jax.tree.map(lambda a: pad(a, 1), out.new_kv))
 
 
-def _nothing_allowed(logits_BTV: jax.Array, sampler: Sampler,
-                     new_BT: jax.Array, min_new_B: jax.Array,
-                     dcfg: DecodeConfig) -> jax.Array:
-  """NaN at each position where the allowed-token hook allows no token
-  (counting an EOS the row's ``min_new_tokens`` still masks as not
-  allowed): the non-finite cut treats it as a position with no
-  distribution to sample (module doc)."""
-  if sampler.allowed is None:
+def _nothing_allowed(logits_BTV: jax.Array, sampler: Sampler) -> jax.Array:
+  """NaN at each position where ``sampler`` (settled) allows no token,
+  the hook's mask with the closed EOS ids taken out: the non-finite cut
+  treats it as a position with no distribution to sample (module doc)."""
+  mask = sampler.mask()
+  if mask is None:
     return logits_BTV
-  allowed_BTV = sampler.allowed.mask()
-  if allowed_BTV.ndim == 2:  # one position per row (the prefill's)
-    allowed_BTV = allowed_BTV[:, None]
-  if dcfg.eos_ids:
-    early_BT1 = (new_BT < min_new_B[:, None])[..., None]
-    eos = jnp.asarray(dcfg.eos_ids, jnp.int32)
-    allowed_BTV = allowed_BTV.at[..., eos].set(allowed_BTV[..., eos]
-                                               & ~early_BT1)
-  none_BT = ~jnp.any(allowed_BTV, axis=-1)
-  return jnp.where(none_BT[..., None], jnp.nan, logits_BTV)
+  if mask.ndim == 2:  # one position per row (the prefill's)
+    mask = mask[:, None]
+  return jnp.where(~jnp.any(mask, axis=-1)[..., None], jnp.nan, logits_BTV)
 
 
 def _finite(logits_BTV: jax.Array) -> jax.Array:
@@ -382,19 +373,6 @@ def _tree_cut(logits_BMV: jax.Array, tree, anc_BMM: jax.Array,
 
 def _is_eos(tokens, dcfg: DecodeConfig):
   return jnp.isin(tokens, jnp.asarray(dcfg.eos_ids or (-1,), jnp.int32))
-
-
-def _mask_eos(logits_BWV: jax.Array, new_BW: jax.Array, min_new_B: jax.Array,
-              dcfg: DecodeConfig) -> jax.Array:
-  """The EOS logits set to -inf at each position whose token would be
-  generated token ``new[b, w]`` (0-based) below the row's
-  ``min_new_tokens``; the logits as they are without EOS ids."""
-  if not dcfg.eos_ids:
-    return logits_BWV
-  eos = jnp.asarray(dcfg.eos_ids, jnp.int32)
-  early_BW1 = (new_BW < min_new_B[:, None])[..., None]
-  return logits_BWV.at[..., eos].set(
-      jnp.where(early_BW1, -jnp.inf, logits_BWV[..., eos]))
 
 
 def _stop_ends(state: DecodeState, tokens_BT: jax.Array,
@@ -494,13 +472,12 @@ def prefill(params, prompt_BT: jax.Array,
   # The first token: sampled from the prompt's last logits and emitted as
   # a block of one (EOS, stop sequences and the budget as in a step).
   key, sub = split(key)
-  sampler = state.sampler(dcfg, V)
-  logits_B1V = _nothing_allowed(out.logits, sampler, zeros_B[:, None],
-                                state.min_new_tokens, dcfg)
+  sampler = state.sampler(dcfg, V).closing_eos(
+      state.min_new_tokens > 0, dcfg.eos_ids).settled()
+  logits_B1V = _nothing_allowed(out.logits, sampler)
   ok_B = _finite(logits_B1V)[:, 0] & ~bad_B
   logits_B1V = _usable_logits(logits_B1V, ok_B[:, None])
-  q_B1V = warp(_mask_eos(logits_B1V, zeros_B[:, None], state.min_new_tokens,
-                         dcfg), sampler)
+  q_B1V = warp(logits_B1V, sampler)
   first_B1 = draw(q_B1V, sampler, sub)
   state, n_B, hit_eos_B, hit_stop_B = _emit(
       state.replace(key=key), first_B1, ok_B.astype(jnp.int32), ok_B, dcfg,
@@ -644,14 +621,13 @@ def _verify(state: DecodeState, draft: _Draft, logits_BWV: jax.Array,
              else draft.anc)
   new_BW = new_B1 + (jnp.arange(W)[None, :] if chain
                      else trees.depths(draft.anc))
-  at_block = sampler.along(draft.block, anc_BWW)
-  logits_BWV = _nothing_allowed(logits_BWV, at_block, new_BW,
-                                state.min_new_tokens, dcfg)
+  at_block = sampler.along(draft.block, anc_BWW).closing_eos(
+      new_BW < state.min_new_tokens[:, None], dcfg.eos_ids).settled()
+  logits_BWV = _nothing_allowed(logits_BWV, at_block)
   if chain:
     logits, num_drafted_B, first_bad_B = _chain_cut(logits_BWV,
                                                     draft.num_drafted)
-    q_BWV = warp(_mask_eos(logits, new_BW, state.min_new_tokens, dcfg),
-                 at_block)
+    q_BWV = warp(logits, at_block)
     res = verify_chain(draft.block[:, 1:], draft.probs, q_BWV, num_drafted_B,
                        key, greedy=dcfg.sampling.greedy)
     # Every draft before the first non-finite position accepted: the row
@@ -665,8 +641,7 @@ def _verify(state: DecodeState, draft: _Draft, logits_BWV: jax.Array,
   else:
     logits, tree, nonfinite_B = _tree_cut(logits_BWV, draft.tree, draft.anc,
                                           live_B)
-    q_BWV = warp(_mask_eos(logits, new_BW, state.min_new_tokens, dcfg),
-                 at_block)
+    q_BWV = warp(logits, at_block)
     res = trees.verify_tree(tree, draft.anc, q_BWV, key, sampler, dcfg.k)
     res = res.replace(num_emitted=jnp.where(nonfinite_B, 0, res.num_emitted))
     path_BK1 = at_BK1 = res.path

@@ -227,7 +227,7 @@ def generate_ids(model: Model, prompts: Sequence[Sequence[int]], *,
   depends on the seed, its prompt index and its sample index, not on the
   other rows. ``sampling`` is one ``SamplingParams`` for all prompts or
   one per prompt; their values are data, so settings of one program
-  (``SamplingParams.program``: a temperature or top-p sweep, a batch
+  (``SamplingParams.program_of``: a temperature or top-p sweep, a batch
   mixing them) share one compile. ``max_new_tokens`` and
   ``min_new_tokens`` are one for all prompts or one per prompt
   (``DecodeState``'s); ``stop`` holds token sequences that end a row where
@@ -299,8 +299,8 @@ def _per_row(name: str, value, rows: int, least: int) -> np.ndarray:
 def _row_sampling(sampling, num_prompts: int, num_samples: int,
                   vocab_size: int):
   """``(program, RowSampling)`` of one ``SamplingParams`` or one per
-  prompt: the program that holds them all (the widest top-k, every option
-  any prompt uses, the most biased tokens) and each row's values."""
+  prompt: the program that holds them all (``SamplingParams.program_of``)
+  and each row's values."""
   per_prompt = ([sampling] * num_prompts
                 if isinstance(sampling, SamplingParams) else list(sampling))
   if len(per_prompt) != num_prompts:
@@ -310,19 +310,8 @@ def _row_sampling(sampling, num_prompts: int, num_samples: int,
     if not isinstance(sp, SamplingParams):
       raise TypeError(f"sampling must be SamplingParams, got "
                       f"{type(sp).__name__}")
-  for sp in per_prompt:
-    sp.check_vocab(vocab_size)
-  programs = [sp.program() for sp in per_prompt]
-  greedy = all(p.greedy for p in programs)
-  pick = lambda name, on: next((getattr(p, name) for p in programs
-                                if on(getattr(p, name))), getattr(programs[0],
-                                                                  name))
-  program = dataclasses.replace(
-      programs[0], temperature=0.0 if greedy else 1.0,
-      top_k=max(p.top_k for p in programs),
-      top_p=pick("top_p", lambda v: v < 1), min_p=pick("min_p", bool),
-      repetition_penalty=pick("repetition_penalty", lambda v: v != 1),
-      logit_bias=max((p.logit_bias for p in programs), key=len))
+  per_prompt = [sp.for_vocab(vocab_size) for sp in per_prompt]
+  program = SamplingParams.program_of(per_prompt)
   rows = [sp for sp in per_prompt for _ in range(num_samples)]
   return program, RowSampling.build(program, rows)
 

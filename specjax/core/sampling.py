@@ -18,7 +18,7 @@ bound (a shape), whether top-p, min-p and the penalties are computed, how
 many tokens carry a bias (a shape). Each row's values are data
 (``RowSampling``, ``f32[B]``/``int32[B]``), so rows with different
 temperatures, top-p or penalties share one batch and one compile as long as
-they fit the program (``SamplingParams.program``, ``RowSampling.build``).
+they fit the program (``SamplingParams.program_of``, ``RowSampling.build``).
 """
 
 from __future__ import annotations
@@ -140,6 +140,14 @@ class SamplingParams:
         raise ValueError(f"logit_bias names token {t}, outside the "
                          f"vocabulary [0, {vocab_size})")
 
+  def for_vocab(self, vocab_size: int) -> "SamplingParams":
+    """These settings checked against the vocabulary (``check_vocab``),
+    with a top-k that keeps every token written as off (0): the same
+    distribution without a top-k over the whole vocabulary."""
+    self.check_vocab(vocab_size)
+    return (dataclasses.replace(self, top_k=0) if self.top_k >= vocab_size
+            else self)
+
   def record(self) -> dict:
     """The settings as a result row records them (JSON: the bias as
     ``[[id, bias], ...]``)."""
@@ -154,26 +162,38 @@ class SamplingParams:
             or self.frequency_penalty != 0)
 
   def program(self) -> "SamplingParams":
-    """These settings with every value replaced by a canonical one of the
-    same program (module doc): greedy or not, the top-k bound, top-p,
-    min-p and the penalties on or off, the number of biased tokens. Two
-    settings with one program compile to one program when their values
-    are passed as ``RowSampling`` (``runner.generate_ids`` does)."""
+    """The canonical program of these settings (``program_of``)."""
+    return SamplingParams.program_of([self])
+
+  @staticmethod
+  def program_of(settings: Sequence["SamplingParams"]) -> "SamplingParams":
+    """The one program every row of ``settings`` runs in as its values
+    (module doc), each value replaced by a canonical one: sampled if any
+    row samples; the sampled rows' widest top-k as the bound; top-p and
+    min-p on if a sampled row uses them (a greedy row's cuts never change
+    its argmax); the penalties on if any row has one; room for the most
+    biased tokens. Settings with one program compile to one program when
+    their values are passed as ``RowSampling`` (``runner.generate_ids``
+    does)."""
+    sampled = [sp for sp in settings if not sp.greedy]
+    uses = lambda on: any(map(on, sampled))
     return SamplingParams(
-        temperature=0.0 if self.greedy else 1.0, top_k=self.top_k,
-        top_p=0.5 if self.top_p < 1 else 1.0,
-        min_p=0.5 if self.min_p > 0 else 0.0,
-        repetition_penalty=2.0 if self.penalized else 1.0,
-        logit_bias=((0, 0.0),) * len(self.logit_bias))
+        temperature=1.0 if sampled else 0.0,
+        top_k=max((sp.top_k for sp in sampled), default=0),
+        top_p=0.5 if uses(lambda sp: sp.top_p < 1) else 1.0,
+        min_p=0.5 if uses(lambda sp: sp.min_p > 0) else 0.0,
+        repetition_penalty=2.0 if any(sp.penalized for sp in settings)
+        else 1.0,
+        logit_bias=((0, 0.0),) * max((len(sp.logit_bias) for sp in settings),
+                                     default=0))
 
   def _cuts_misfit(self, program: "SamplingParams") -> Optional[str]:
     """What of top-k, top-p and min-p ``program`` cannot run, or None."""
     if program.top_k == 0 and self.top_k:
       return f"top_k {self.top_k} needs a program with a top-k bound"
-    if program.top_k and not 1 <= self.top_k <= program.top_k:
-      return (f"top_k must be in [1, {program.top_k}] (the program's "
-              f"bound; a row without top-k cannot share it), got "
-              f"{self.top_k}")
+    if self.top_k > program.top_k:
+      return (f"top_k must be at most {program.top_k} (the program's "
+              f"bound) or 0 (off), got {self.top_k}")
     if self.top_p < 1 and program.top_p == 1:
       return f"top_p {self.top_p} needs a program with top-p"
     if self.min_p > 0 and program.min_p == 0:
@@ -225,11 +245,9 @@ class RowSampling:
       if why:
         raise ValueError(f"row {b}'s sampling does not fit the compiled "
                          f"program: {why}")
-    # A greedy row takes the program's neutral values (its argmax is the
-    # same under any of them).
-    rows = [dataclasses.replace(sp, top_k=program.top_k, top_p=1.0,
-                                min_p=0.0) if sp.greedy else sp
-            for sp in rows]
+    # A greedy row's cuts are off (its argmax is the same under any).
+    rows = [dataclasses.replace(sp, top_k=0, top_p=1.0, min_p=0.0)
+            if sp.greedy else sp for sp in rows]
     nb = len(program.logit_bias)
     pad = lambda sp: sp.logit_bias + ((0, 0.0),) * (nb - len(sp.logit_bias))
     col = lambda f, dt: np.asarray([getattr(sp, f) for sp in rows], dt)
@@ -351,12 +369,18 @@ class Allowed:
 class Sampler:
   """What a draw is warped with: the program (static), each row's values
   (None: the program's own, as constants), each row's history when the
-  program has penalties, and the allowed-token hook with its context when
-  there is one."""
+  program has penalties, the allowed-token hook with its context when
+  there is one, and where the EOS ids may not be drawn yet
+  (``closed_eos``, ``bool[B, (W)]``: a row's ``min_new_tokens``).
+  ``settled`` computes which tokens each position may draw once, for the
+  warp and for the engine's test of a position that allows none."""
   params: SamplingParams = struct.field(pytree_node=False)
   rows: Optional[RowSampling] = None
   history: Optional[History] = None
   allowed: Optional[Allowed] = None
+  closed_eos: Optional[jax.Array] = None
+  eos_ids: tuple[int, ...] = struct.field(pytree_node=False, default=())
+  allowed_mask: Optional[jax.Array] = None
 
   def advance(self, tokens_B: jax.Array, where_B: jax.Array) -> "Sampler":
     """The sampler after each row generated ``tokens_B`` (where
@@ -365,7 +389,7 @@ class Sampler:
         history=None if self.history is None
         else self.history.add(tokens_B, where_B),
         allowed=None if self.allowed is None
-        else self.allowed.add(tokens_B, where_B))
+        else self.allowed.add(tokens_B, where_B), allowed_mask=None)
 
   def along(self, block_BW: jax.Array, anc_BWW: jax.Array) -> "Sampler":
     """The sampler of each position of a verify block (``History.along``,
@@ -374,7 +398,29 @@ class Sampler:
         history=None if self.history is None
         else self.history.along(block_BW, anc_BWW),
         allowed=None if self.allowed is None
-        else self.allowed.along(block_BW, anc_BWW))
+        else self.allowed.along(block_BW, anc_BWW), allowed_mask=None)
+
+  def closing_eos(self, closed: jax.Array, eos_ids: Sequence[int]
+                  ) -> "Sampler":
+    """The EOS ids closed where ``closed`` (``bool[B, (W)]``)."""
+    return self.replace(closed_eos=closed, eos_ids=tuple(eos_ids),
+                        allowed_mask=None)
+
+  def mask(self) -> Optional[jax.Array]:
+    """``bool[B, (W,) V]``: the tokens each position may draw, the hook's
+    with the closed EOS ids taken out; None without a hook."""
+    if self.allowed_mask is not None or self.allowed is None:
+      return self.allowed_mask
+    mask = self.allowed.mask()
+    if self.closed_eos is None or not self.eos_ids:
+      return mask
+    eos = jnp.asarray(self.eos_ids, jnp.int32)
+    return mask.at[..., eos].set(mask[..., eos] & ~_fit(
+        self.closed_eos[..., None], mask.ndim))
+
+  def settled(self) -> "Sampler":
+    """This sampler with its ``mask`` computed, once for every use."""
+    return self.replace(allowed_mask=self.mask())
 
   def value(self, name: str, ndim: int):
     """The program's constant, or each row's value shaped ``[B, 1, ...,
@@ -422,7 +468,8 @@ def _bias(logits_XV: jax.Array, s: Sampler) -> jax.Array:
 
 
 def _top_k(logits, s: Sampler, V: int):
-  """``(logits outside each row's top k at -inf, the bound or 0)``."""
+  """``(logits outside each row's top k at -inf, the bound or 0)``; a
+  row's k of 0 keeps every token."""
   sp = s.params
   bound = (min(sp.top_k, V) if s.rows is not None
            else (sp.top_k if sp.top_k < V else 0))
@@ -432,6 +479,7 @@ def _top_k(logits, s: Sampler, V: int):
   k = jnp.broadcast_to(jnp.asarray(s.value("top_k", logits.ndim)),
                        logits.shape[:-1] + (1,))
   kth = jnp.take_along_axis(top_vals, jnp.clip(k, 1, bound) - 1, axis=-1)
+  kth = jnp.where(k == 0, -jnp.inf, kth)
   return jnp.where(logits < kth, -jnp.inf, logits), bound
 
 
@@ -475,12 +523,15 @@ def _top_p(probs, s: Sampler, bound: int):
     return jnp.min(jnp.where(keep, sorted_p, jnp.inf), axis=-1,
                    keepdims=True)
 
-  if bound:  # the top-k survivors, sorted
+  if bound and s.rows is None:  # every row's top-k survivors, sorted
     cut_at = threshold(jax.lax.top_k(probs, bound)[0])
   else:
-    # The cut lies among the candidates when they hold p of the mass: every
-    # token after them has at least that much before it.
-    top = jax.lax.top_k(probs, min(TOP_P_CANDIDATES, probs.shape[-1]))[0]
+    # The cut lies among the candidates (the bound's survivors, else the
+    # most likely ``TOP_P_CANDIDATES``) when they hold p of the mass: every
+    # token after them has at least that much before it. A row without
+    # top-k in a program with a bound may hold less there.
+    top = jax.lax.top_k(probs, bound or min(TOP_P_CANDIDATES,
+                                            probs.shape[-1]))[0]
     inside = (jnp.sum(top, axis=-1, keepdims=True) >= p) | (p >= 1)
     cut_at = jax.lax.cond(jnp.all(inside), lambda: threshold(top),
                           lambda: _mass_cut(probs, p))
@@ -503,10 +554,24 @@ def _renormalized(cut, probs, s: Sampler, off):
   return cut if s.rows is None else jnp.where(off, probs, cut)
 
 
+def _restrict(logits_XV: jax.Array, s: Sampler) -> jax.Array:
+  """-inf where a position may not draw the token: outside the hook's
+  mask, or an EOS id where it is closed."""
+  mask = s.mask()
+  if mask is not None:
+    return jnp.where(_fit(mask, logits_XV.ndim), logits_XV, -jnp.inf)
+  if s.closed_eos is None or not s.eos_ids:
+    return logits_XV
+  eos = jnp.asarray(s.eos_ids, jnp.int32)
+  closed = _fit(s.closed_eos[..., None], logits_XV.ndim)
+  return logits_XV.at[..., eos].set(
+      jnp.where(closed, -jnp.inf, logits_XV[..., eos]))
+
+
 def warp(logits_XV: jax.Array, sampling: SamplingParams | Sampler
          ) -> jax.Array:
   """Probabilities ``f32[..., V]`` after the penalties, the logit bias,
-  temperature, top-k, top-p and min-p (module doc). ``sampling``: the
+  the allowed tokens, temperature, top-k, top-p and min-p (module doc). ``sampling``: the
   static settings, or a ``Sampler`` with each row's values and history
   (rows on the first axis)."""
   s = as_sampler(sampling)
@@ -517,8 +582,7 @@ def warp(logits_XV: jax.Array, sampling: SamplingParams | Sampler
     logits = _penalize(logits, s)
   if sp.logit_bias:
     logits = _bias(logits, s)
-  if s.allowed is not None:
-    logits = jnp.where(_fit(s.allowed.mask(), logits.ndim), logits, -jnp.inf)
+  logits = _restrict(logits, s)
   if sp.greedy:
     return jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
   temperature = s.value("temperature", logits.ndim)

@@ -1,8 +1,13 @@
 """Decoding methods by name: what the CLI, the benchmarks and the tuner share.
 
-``build`` turns a method name plus its knobs into the ``(drafter,
-drafter_params)`` pair the engine takes; bad combinations raise
-``MethodError`` with a one-line message the CLI prints as is.
+A method is written in one grammar, ``NAME[:key=value...]`` (``KNOBS``),
+parsed once into a ``MethodSpec`` that checks its values. Each method has
+its own frozen config (``_OWN``: ``_NGram``, ``_Head``, ...): the spec's
+fields it reads, so which method reads which knob is one table derived
+from them (``readers``), the rules between its knobs, and how it builds its
+drafter. ``build`` turns a spec into the ``Method`` (drafter, parameters,
+K, tree nodes) the engine takes; bad combinations raise ``MethodError``
+with a one-line message the CLI prints as is.
 """
 
 from __future__ import annotations
@@ -66,34 +71,16 @@ def parse_knobs(text: str) -> tuple[str, dict]:
   return name, fields
 
 
-# The methods that read each ``MethodSpec`` field: a knob is refused for a
-# method not listed (``build`` checks the finer rules: trees, dynamic K,
-# the lookup trie).
-_HEADS = frozenset(HEADS)
-_TABLES = frozenset({"ngram", "retrieval", "ngram+retrieval"})
-_READERS = {
-    "num_draft": frozenset(METHODS) - {"ar"},
-    "tree_nodes": _TABLES | _HEADS,
-    "tree_width": frozenset({"ngram", "ngram+retrieval"}) | _HEADS,
-    "tree_shape": _HEADS,
-    "lookup_nodes": _HEADS,
-    "layers": frozenset({"layerskip"}),
-    "min_confidence": frozenset({"draft", "layerskip"}) | _HEADS,
-    "draft_model": frozenset({"draft"}),
-    "head": _HEADS,
-    "datastore_conversations": frozenset({"retrieval", "ngram+retrieval"})
-                               | _HEADS,
-}
-
-
 def readers(field: str) -> frozenset:
-  """The methods that read the ``MethodSpec`` field ``field``."""
-  return _READERS[field]
+  """The methods that read the ``MethodSpec`` field ``field`` (their own
+  config has it, ``_OWN``): a knob is refused for any other."""
+  return frozenset(name for name, own in _OWN.items()
+                   if field in {f.name for f in dataclasses.fields(own)})
 
 
 def knobs_of(name: str) -> list[str]:
   """The grammar's keys (``KNOBS``) the method ``name`` reads."""
-  return [key for key, field in KNOBS.items() if name in _READERS[field]]
+  return [key for key, field in KNOBS.items() if name in readers(field)]
 
 
 def _field_kinds() -> dict:
@@ -225,147 +212,243 @@ def default_layers(model: Model) -> int:
 
 def build(model: Model, spec: MethodSpec) -> Method:
   """The ``Method`` (drafter, its parameters, K, tree nodes) ``spec``
-  names, on the target ``model``."""
-  if spec.lookup_nodes:
-    _check_lookup(spec)
-  _check_knobs_apply(spec)
-  built = _build(model, spec)
-  if spec.lookup_nodes:
-    built = _with_lookup(model, spec, built)
-  if spec.tree_shape and spec.name not in HEADS:
-    raise MethodError(f"tree_shape is for EAGLE and Medusa heads (eagle, "
-                      f"eagle3, medusa), not {spec.name}")
-  if spec.name == "medusa" and spec.tree_nodes and not spec.tree_shape:
-    raise MethodError("Medusa trees are static: give tree_shape (e.g. "
-                      "2x2x1) instead of tree_nodes")
-  if spec.tree_nodes and spec.name != "ar":
-    from specjax.drafters.base import TreeDrafter
-    if not isinstance(built[0], TreeDrafter):
-      raise MethodError(f"method {spec.name} drafts chains only; trees "
-                        f"(tree_nodes) work with: ngram, retrieval, "
-                        f"ngram+retrieval, eagle, eagle3, medusa")
+  names, on the target ``model``: the method's own config (``_OWN``)
+  checks what only it can, then builds its drafter."""
+  own = _OWN[spec.name].of(spec)
+  own.check()
+  drafter, params = own.build(model)
   from specjax.drafters.base import AR, Method
-  drafter, params = built
   if drafter is None:
     return AR
   return Method(drafter, params, spec.k, spec.tree_nodes)
 
 
+# Each method's own config: the ``MethodSpec`` fields it reads (a field
+# not here is one the method would ignore), the rules between them, and
+# how it builds its drafter. ``of`` takes them from a spec; a field the
+# method does not read but the spec sets is refused by ``check``.
+@dataclasses.dataclass(frozen=True)
+class _Own:
+  name: str
+  spec: MethodSpec
+
+  @classmethod
+  def of(cls, spec: MethodSpec) -> "_Own":
+    return cls(**{f.name: getattr(spec, f.name)
+                  for f in dataclasses.fields(cls) if f.name != "spec"},
+               spec=spec)
+
+  def check(self) -> None:
+    """Refuses what this method would ignore or cannot draft."""
+    mine = {f.name for f in dataclasses.fields(self)}
+    if self.spec.tree_shape and "tree_shape" not in mine:
+      raise MethodError(f"tree_shape is for EAGLE and Medusa heads (eagle, "
+                        f"eagle3, medusa), not {self.name}")
+    if self.spec.tree_nodes and "tree_nodes" not in mine:
+      trees = [m for m in METHODS if m in readers("tree_nodes")]
+      raise MethodError(f"method {self.name} drafts chains only; trees "
+                        f"(tree_nodes) work with: {', '.join(trees)}")
+    if self.spec.lookup_nodes and "lookup_nodes" not in mine:
+      raise MethodError(f"lookup_nodes merges the n-gram/retrieval trie "
+                        f"into a head's tree (eagle, eagle3, medusa), not "
+                        f"{self.name}'s; for the trie alone use method "
+                        "ngram+retrieval")
+    if self.spec.min_confidence and (self.spec.tree_nodes
+                                     or "min_confidence" not in mine):
+      raise MethodError(
+          f"min_confidence (dynamic K) is for chains of "
+          f"{', '.join(DYNAMIC_K)}; {self.spec.label()} would ignore it")
+    if self.spec.tree_width != _DEFAULT_WIDTH and not self.widens():
+      raise MethodError(
+          f"tree_width is for dynamic trees (ngram, ngram+retrieval, eagle, "
+          f"eagle3, or a head's lookup trie); {self.spec.label()} would "
+          "ignore it")
+
+  def widens(self) -> bool:
+    """Whether ``tree_width`` shapes this method's trees."""
+    return False
+
+  def build(self, model: Model) -> tuple[Any, Any]:
+    raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class _AR(_Own):
+  """No drafter: the knobs a list of methods shares (``bench``) are
+  nothing to it."""
+
+  def check(self):
+    pass
+
+  def build(self, model):
+    return None, None
+
+
+@dataclasses.dataclass(frozen=True)
+class _NGram(_Own):
+  num_draft: int = 4
+  tree_nodes: int = 0
+  tree_width: int = 4
+
+  def widens(self):
+    return bool(self.tree_nodes)
+
+  def build(self, model):
+    from specjax.drafters import NGramDrafter
+    return NGramDrafter(num_paths=self.tree_width), None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Retrieval(_Own):
+  num_draft: int = 4
+  tree_nodes: int = 0
+  datastore_conversations: Optional[int] = None
+
+  def build(self, model):
+    from specjax.drafters import RetrievalDrafter
+    return RetrievalDrafter(), _datastore(model, self.datastore_conversations)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lookup(_Own):
+  """"ngram+retrieval": n-gram with ``tree_width`` matches, then the
+  datastore."""
+  num_draft: int = 4
+  tree_nodes: int = 0
+  tree_width: int = 4
+  datastore_conversations: Optional[int] = None
+
+  def widens(self):
+    return bool(self.tree_nodes)
+
+  def build(self, model):
+    return _lookup(model, self.tree_width, self.datastore_conversations)
+
+
+@dataclasses.dataclass(frozen=True)
+class _DraftModel(_Own):
+  num_draft: int = 4
+  min_confidence: float = 0.0
+  draft_model: Optional[str] = None
+
+  def build(self, model):
+    return _draft_model(model, self.draft_model, self.min_confidence)
+
+
+@dataclasses.dataclass(frozen=True)
+class _LayerSkip(_Own):
+  num_draft: int = 4
+  min_confidence: float = 0.0
+  layers: Optional[int] = None
+
+  def build(self, model):
+    from specjax.drafters import LayerSkipDrafter
+    layers = self.layers if self.layers is not None else default_layers(model)
+    try:
+      return (LayerSkipDrafter.from_target(model.target, layers,
+                                           self.min_confidence), model.params)
+    except ValueError as e:
+      raise MethodError(str(e)) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Head(_Own):
+  """"eagle" (EAGLE-1), "eagle3", "medusa": a trained head, chains or
+  trees, its trees merged with the lookup trie by ``lookup_nodes``."""
+  num_draft: int = 4
+  tree_nodes: int = 0
+  tree_width: int = 4
+  tree_shape: str = ""
+  lookup_nodes: int = 0
+  min_confidence: float = 0.0
+  head: Optional[str] = None
+  datastore_conversations: Optional[int] = None
+
+  def widens(self):
+    return bool(self.tree_nodes) and bool(
+        self.lookup_nodes or (self.name != "medusa" and not self.tree_shape))
+
+  def check(self):
+    super().check()
+    if self.lookup_nodes and self.tree_nodes <= self.lookup_nodes:
+      raise MethodError(f"lookup_nodes {self.lookup_nodes} must leave the "
+                        f"head some of the tree's nodes (tree_nodes "
+                        f"{self.tree_nodes} counts both)")
+    if self.name == "medusa" and self.tree_nodes and not self.tree_shape:
+      raise MethodError("Medusa trees are static: give tree_shape (e.g. "
+                        "2x2x1) instead of tree_nodes")
+
+  def build(self, model):
+    built = _head(model, self)
+    if not self.lookup_nodes:
+      return built
+    from specjax.drafters.union import TreeUnion, UnionParams
+    table, store = _lookup(model, self.tree_width,
+                           self.datastore_conversations)
+    return (TreeUnion(built[0], table, self.lookup_nodes),
+            UnionParams(head=built[1], table=store))
+
+
+_OWN = {"ar": _AR, "ngram": _NGram, "draft": _DraftModel,
+        "layerskip": _LayerSkip, "retrieval": _Retrieval,
+        "ngram+retrieval": _Lookup, "eagle": _Head, "eagle3": _Head,
+        "medusa": _Head}
 # The drafters that stop a chain early on their own confidence (dynamic K).
-DYNAMIC_K = tuple(m for m in METHODS if m in _READERS["min_confidence"])
+DYNAMIC_K = tuple(m for m in METHODS if m in readers("min_confidence"))
 _DEFAULT_WIDTH = MethodSpec.tree_width
 
 
-def _check_knobs_apply(spec: MethodSpec) -> None:
-  """A knob the method would ignore is refused, never dropped: dynamic K
-  outside those drafters' chains, a tree width where no tree merges
-  matches or expands its top-k (chains, Medusa, static shapes without a
-  lookup, retrieval alone)."""
-  if spec.min_confidence and (spec.tree_nodes or spec.name not in DYNAMIC_K):
-    raise MethodError(
-        f"min_confidence (dynamic K) is for chains of "
-        f"{', '.join(DYNAMIC_K)}; {spec.label()} would ignore it")
-  widened = spec.tree_nodes and (
-      spec.name in ("ngram", "ngram+retrieval") or spec.lookup_nodes
-      or (spec.name in ("eagle", "eagle3") and not spec.tree_shape))
-  if spec.tree_width != _DEFAULT_WIDTH and not widened:
-    raise MethodError(
-        f"tree_width is for dynamic trees (ngram, ngram+retrieval, eagle, "
-        f"eagle3, or a head's lookup trie); {spec.label()} would ignore it")
-
-
-def _check_lookup(spec: MethodSpec) -> None:
-  if spec.name not in HEADS:
-    raise MethodError(f"lookup_nodes merges the n-gram/retrieval trie into "
-                      f"a head's tree (eagle, eagle3, medusa), not "
-                      f"{spec.name}'s; for the trie alone use method "
-                      "ngram+retrieval")
-  if spec.tree_nodes <= spec.lookup_nodes:
-    raise MethodError(f"lookup_nodes {spec.lookup_nodes} must leave the "
-                      f"head some of the tree's nodes (tree_nodes "
-                      f"{spec.tree_nodes} counts both)")
-
-
-def _lookup(model: Model, spec: MethodSpec):
-  """"ngram+retrieval": n-gram with ``tree_width`` matches, then the
-  datastore."""
+def _lookup(model: Model, width: int, conversations: Optional[int]):
+  """The "ngram+retrieval" trie's drafter (n-gram with ``width`` matches,
+  then the datastore) and its datastore."""
   from specjax.drafters import LookupDrafter, NGramDrafter
-  return (LookupDrafter(ngram=NGramDrafter(num_paths=spec.tree_width)),
-          _datastore(model, spec))
+  return (LookupDrafter(ngram=NGramDrafter(num_paths=width)),
+          _datastore(model, conversations))
 
 
-def _with_lookup(model: Model, spec: MethodSpec, built):
-  """The head's drafter and params, its trees merged with the lookup trie."""
-  from specjax.drafters.union import TreeUnion, UnionParams
-  table, store = _lookup(model, spec)
-  return (TreeUnion(built[0], table, spec.lookup_nodes),
-          UnionParams(head=built[1], table=store))
-
-
-def _build(model: Model, spec: MethodSpec) -> tuple[Any, Any]:
-  if spec.name == "ar":
-    return None, None
-  if spec.name == "ngram":
-    from specjax.drafters import NGramDrafter
-    return NGramDrafter(num_paths=spec.tree_width), None
-  if spec.name == "layerskip":
-    from specjax.drafters import LayerSkipDrafter
-    layers = spec.layers if spec.layers is not None else default_layers(model)
-    try:
-      return (LayerSkipDrafter.from_target(model.target, layers,
-                                           spec.min_confidence), model.params)
-    except ValueError as e:
-      raise MethodError(str(e)) from None
-  if spec.name == "draft":
-    return _draft_model(model, spec)
-  if spec.name in HEADS:
-    return _head(model, spec)
-  if spec.name == "ngram+retrieval":
-    return _lookup(model, spec)
-  from specjax.drafters import RetrievalDrafter
-  return RetrievalDrafter(), _datastore(model, spec)
-
-
-def _datastore(model: Model, spec: MethodSpec):
-  """The ShareGPT datastore "retrieval" reads: built (or loaded from
-  ~/.cache/specjax) once, then kept on the device."""
+def _datastore(model: Model, conversations: Optional[int]):
+  """The ShareGPT datastore "retrieval" reads (``conversations`` of them,
+  None: its default): built (or loaded from ~/.cache/specjax) once, then
+  kept on the device."""
   import jax
   from specjax.drafters.retrieval import sharegpt_datastore
-  kw = ({} if spec.datastore_conversations is None
-        else dict(num_conversations=spec.datastore_conversations))
+  kw = ({} if conversations is None
+        else dict(num_conversations=conversations))
   return jax.device_put(sharegpt_datastore(model.tokenizer, **kw))
 
 
-def _draft_model(model: Model, spec: MethodSpec):
+def _draft_model(model: Model, name: Optional[str], min_confidence: float):
+  """The "draft" method: the model ``name``, checked to share the
+  target's tokenizer."""
   from specjax.drafters import DraftModelDrafter
   from specjax.models.registry import load_model
-  if not spec.draft_model:
+  if not name:
     raise MethodError("method draft needs draft_model (a .gguf file or HF "
                       "dir whose tokenizer matches the target's)")
   try:
-    draft = load_model(spec.draft_model)
+    draft = load_model(name)
   except (ValueError, OSError, RuntimeError) as e:
-    raise MethodError(f"cannot load draft model {spec.draft_model!r}: {e}"
+    raise MethodError(f"cannot load draft model {name!r}: {e}"
                       ) from None
   if draft.config.vocab_size != model.config.vocab_size:
     raise MethodError(
-        f"draft model {spec.draft_model!r} has vocab {draft.config.vocab_size}"
+        f"draft model {name!r} has vocab {draft.config.vocab_size}"
         f", the target has {model.config.vocab_size}: they must share a "
         "tokenizer")
   ours = model.tokenizer.token_strings()
   theirs = draft.tokenizer.token_strings()
   if ours != theirs:
     i = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
-    raise MethodError(f"draft model {spec.draft_model!r}: token {i} is "
+    raise MethodError(f"draft model {name!r}: token {i} is "
                       f"{theirs[i]!r}, the target's is {ours[i]!r}: they "
                       "must share a tokenizer")
   probe = "The quick brown fox, 12345 déjà vu!\n"
   if draft.tokenizer.encode(probe) != model.tokenizer.encode(probe):
-    raise MethodError(f"draft model {spec.draft_model!r} tokenizes text "
+    raise MethodError(f"draft model {name!r} tokenizes text "
                       "differently from the target: they must share a "
                       "tokenizer")
   try:
-    drafter = DraftModelDrafter(draft.target, spec.min_confidence)
+    drafter = DraftModelDrafter(draft.target, min_confidence)
   except ValueError as e:
     raise MethodError(str(e)) from None
   return drafter, draft.params
@@ -402,7 +485,7 @@ def head_id(model_name: str, spec: MethodSpec) -> Optional[str]:
   return f"{path.name}@{digest.hexdigest()[:12]}"
 
 
-def _head(model: "Model", spec: MethodSpec):
+def _head(model: "Model", spec: "_Head"):
   """A head method's drafter: the head file (``head_file``), packed for the
   native CPU path when the target is."""
   import jax.numpy as jnp

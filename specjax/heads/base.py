@@ -12,7 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from specjax.kernels import native
+from specjax.kernels import small_gemm
 from specjax.models import decoder
 from specjax.models.config import ModelConfig
 from specjax.models.layers import (PackedWeight, linear, pack_weight,
@@ -196,13 +196,13 @@ class DecoderLayer(nn.Module):
 
 def pack_head(params):
   """A head's parameters with every matmul weight (every 2-D leaf: a head
-  holds no other) packed for the native CPU matmul (``kernels.native``), as
+  holds no other) packed for the native CPU matmul (``kernels.small_gemm``), as
   ``decoder.pack_params`` does the target's: for drafting on a packed
   target. Weights that bf16 holds exactly (the
   shipped head's, stored in bf16) get bf16 panels: drafting reads half the
   bytes and computes the same f32 products."""
   kernels = [x for x in jax.tree_util.tree_leaves(params) if x.ndim == 2]
-  dtype = (jnp.bfloat16 if all(native.exact_in(w, jnp.bfloat16)
+  dtype = (jnp.bfloat16 if all(small_gemm.exact_in(w, jnp.bfloat16)
                                for w in kernels) else jnp.float32)
   return jax.tree_util.tree_map(
       lambda x: pack_weight(x, dtype) if x.ndim == 2 else x, params)

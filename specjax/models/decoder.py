@@ -160,7 +160,7 @@ def random_params(key: jax.Array, cfg: ModelConfig, scale: float = 0.02,
 
 def pack_params(params: DecoderParams) -> DecoderParams:
   """The same f32 model with every layer matmul and the LM head
-  pre-arranged for the native small-row matmul (``kernels.native``). A tied
+  pre-arranged for the native small-row matmul (``kernels.small_gemm``). A tied
   LM head gets its own packed copy of the embedding (V x D more floats); the
   embedding stays as it is for lookups. Packed weights put ``forward`` on
   the native CPU path: the native attention too (full-attention layers

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax.kernels import native
+from specjax.kernels import attention as attention_kernel
+from specjax.kernels import small_gemm
 
 NEG_INF = -1e30  # finite: a fully masked row must not produce NaNs
 
@@ -32,7 +33,7 @@ NEG_INF = -1e30  # finite: a fully masked row must not produce NaNs
 @struct.dataclass
 class PackedWeight:
   """A ``[K, N]`` weight pre-arranged once for the native small-row matmul
-  (``kernels.native``, CPU): ``panels [ceil(N / 16), K, 16]``, ``n`` = N."""
+  (``kernels.small_gemm``, CPU): ``panels [ceil(N / 16), K, 16]``, ``n`` = N."""
   panels: jax.Array
   n: int = struct.field(pytree_node=False)
 
@@ -42,7 +43,7 @@ def linear(x: jax.Array, w, b: Optional[jax.Array] = None) -> jax.Array:
   or a ``PackedWeight`` (the native kernel; f32 math)."""
   if isinstance(w, PackedWeight):
     *lead, K = x.shape
-    y = native.small_matmul(x.reshape(-1, K), w.panels, w.n).reshape(
+    y = small_gemm.small_matmul(x.reshape(-1, K), w.panels, w.n).reshape(
         *lead, w.n)
   else:
     y = x @ w
@@ -52,13 +53,13 @@ def linear(x: jax.Array, w, b: Optional[jax.Array] = None) -> jax.Array:
 def pack_weight(w_KN: jax.Array, dtype=jnp.float32) -> PackedWeight:
   """A ``[K, N]`` weight pre-arranged for the native small-row matmul, its
   panels f32 or (for weights bf16 holds exactly) bf16: half the bytes."""
-  return PackedWeight(native.pack(w_KN, dtype), w_KN.shape[1])
+  return PackedWeight(small_gemm.pack(w_KN, dtype), w_KN.shape[1])
 
 
 def dense_weight(w) -> jax.Array:
   """A ``[K, N]`` weight as an array, whether plain or packed."""
   if isinstance(w, PackedWeight):
-    return native.unpack(w.panels, w.n).astype(jnp.float32)
+    return small_gemm.unpack(w.panels, w.n).astype(jnp.float32)
   return w
 
 
@@ -282,7 +283,7 @@ def attention(q_BTNH, kc_BGHS, vc_BGSH, mask_BQS, new=None, *,
 
 def native_attention(q_BTNH, kc_BGHS, vc_BGSH, k_new_BTGH, v_new_BTGH,
                      lengths_B, mask_BTT):
-  """``native.attention`` (the kernel's forward, scale ``H ** -0.5``) with
+  """``kernels.attention`` (the kernel's forward, scale ``H ** -0.5``) with
   the VJP of the same function in XLA (``attention`` over the prefix and
   the new tokens), so ``jax.grad`` runs through the kernel's path."""
   return _native_attention(q_BTNH, kc_BGHS, vc_BGSH, k_new_BTGH, v_new_BTGH,
@@ -301,7 +302,7 @@ def _xla_twin(q_BTNH, kc_BGHS, vc_BGSH, k_new_BTGH, v_new_BTGH, lengths_B,
 
 @jax.custom_vjp
 def _native_attention(q, kc, vc, k_new, v_new, lengths, mask):
-  return native.attention(q, kc, vc, k_new, v_new, lengths, mask)
+  return attention_kernel.attention(q, kc, vc, k_new, v_new, lengths, mask)
 
 
 def _native_attention_fwd(*args):
