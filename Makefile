@@ -40,6 +40,17 @@ TUNIX_PKGS := google-tunix==0.1.7 google_metrax==0.2.4 clu==0.0.12 \
   einops==0.8.2 grain==0.2.18 cloudpickle==3.1.3 portpicker==1.6.0 \
   array_record==0.8.6
 
+# vLLM's speculators (0.9.0), for the long stage's reference test of the heads
+# it reads (tests/test_speculators.py): its own model code on the exported
+# layout. Into a directory of its own, --no-deps (its pins would downgrade
+# transformers); these are the modules `import speculators.models.eagle3`
+# needs next to the venv's torch and transformers.
+SPECULATORS := $(VENV)/speculators
+SPECULATORS_PKGS := speculators==0.9.0 openai==2.54.0 hs-connectors==0.9.0 \
+  loguru==0.7.3 pydantic-settings==2.16.3 python-dotenv==1.2.4 sniffio==1.3.1 \
+  distro==1.9.0 datasets==5.2.0 multiprocess==0.70.19 pyarrow==26.0.1 \
+  dill==0.4.1 xxhash==4.1.0
+
 # The native CPU kernels (specjax/kernels/: small_gemm, a small-row matmul, and decode
 # attention) build with the package (setup.py), so the editable install below
 # compiles them; this rule only recompiles them when their sources change. If
@@ -76,11 +87,17 @@ $(TUNIX): $(STAMP)
 	$(BIN)/pip install -q --no-deps $(TUNIX_PKGS)
 	touch $@
 
+$(SPECULATORS)/.installed: $(STAMP)
+	rm -rf $(SPECULATORS)
+	$(BIN)/pip install -q --no-deps --target $(SPECULATORS) $(SPECULATORS_PKGS)
+	touch $@
+
 demo: $(STAMP) $(NATIVE)
 	$(BIN)/specjax demo
 
 test: $(STAMP) $(NATIVE) $(CONVERTER)
 	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadscope -m "not long" tests
 
-test-long: $(STAMP) $(NATIVE) $(CONVERTER) $(LLAMACPP) $(TUNIX)
+test-long: $(STAMP) $(NATIVE) $(CONVERTER) $(LLAMACPP) $(TUNIX) \
+           $(SPECULATORS)/.installed
 	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 -m long tests
