@@ -12,6 +12,7 @@ from __future__ import annotations
 import gzip
 import itertools
 import json
+import os
 import pathlib
 from typing import Iterator, Optional
 
@@ -120,7 +121,8 @@ def load_prompts(dataset: str, num_prompts: Optional[int] = None) -> list[str]:
   elif dataset == "sharegpt":
     firsts = (t[0][1] for t in sharegpt_conversations() if t[0][0] == "user")
     prompts = list(itertools.islice(firsts, num_prompts or 100))
-  elif dataset.endswith(".jsonl") or pathlib.Path(dataset).exists():
+  elif dataset.endswith(".jsonl") or os.path.exists(dataset):  # False, not
+    # an OSError, for a name the file system cannot hold
     prompts = prompts_from_jsonl(dataset)
   else:
     raise DataError(f"unknown dataset {dataset!r}: use one of "

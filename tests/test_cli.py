@@ -168,6 +168,11 @@ def _load_each_model_once(monkeypatch):
     (("bench", "--method", "ngram,bogus"), ["unknown method 'bogus'"]),
     (("bench", "--dataset", "nope"), ["unknown dataset 'nope'"]),
     (("bench", "--dataset", "/no/such.jsonl"), ["cannot read"]),
+    (("bench", "--dataset", "x" * 5000, "--num-prompts", "1"),
+     ["unknown dataset"]),  # a name the file system cannot hold
+    (("train", "--config", "configs/eagle3_smollm2.py", "--workdir",
+      "/tmp/x", "--config.head.init_head=" + "x" * 5000),
+     ["head.init_head: no head file or directory"]),
     (("bench", "--num-prompts", "0"), ["--num-prompts"]),
     (("bench", "--repeats", "0"), ["--repeats"]),
     (("bench", "--json", "/no/such/dir/out.jsonl", "--num-prompts", "1"),

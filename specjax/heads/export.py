@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
 import zipfile
 
@@ -57,7 +58,7 @@ def load_head(path, target: ModelConfig | None = None):
   A directory is an EAGLE-3 head in the SpecForge or speculators layout
   (``interop.import_head``; it needs ``target``), whose assumptions come
   as ``HeadNote`` warnings."""
-  if pathlib.Path(path).is_dir():
+  if os.path.isdir(path):  # False for a name too long to be one
     return _load_dir(path, target)
   try:
     z = np.load(path)

@@ -88,7 +88,7 @@ class HeadRecipe:
     if self.init_layer == "target" and self.variant != "eagle3":
       raise ValueError("head.init_layer=target is for EAGLE-3 heads")
     _check(self, "head", positive=("medusa_heads", "draft_vocab"))
-    if self.init_head and not pathlib.Path(self.init_head).exists():
+    if self.init_head and not os.path.exists(self.init_head):
       raise ValueError(f"head.init_head: no head file or directory "
                        f"{self.init_head!r}")
 
