@@ -34,9 +34,10 @@ ARCHS = sorted(ARCH_CONFIGS)
 FAST = "gemma2_softcap"
 DRAFTERS = ("ngram", "ngram_trie", "lookup_trie", "eagle3", "eagle3_tree",
             "eagle3_static_2x2", "eagle3_tree+lookup", "eagle1", "medusa",
-            "medusa_static_2x2x1", "layerskip", "draft_model")
+            "medusa_static_2x2x1", "layerskip", "draft_model", "mtp",
+            "mtp_tree")
 CORE = ("eagle3", "eagle3_tree", "medusa_static_2x2x1", "draft_model",
-        "layerskip")
+        "layerskip", "mtp")
 DRAFTER_RUNS = [pytest.param(FAST, None, id=f"{FAST}-all")] + [
     run for arch in ARCHS if arch != FAST for run in (
         pytest.param(arch, "core", id=f"{arch}-core", marks=() if arch in (
@@ -238,6 +239,8 @@ def every_drafter(target, params, draft=None, names=None):
       "eagle3_static_2x2": lambda: entry(eagle(tree_shape=static("2x2")), 3, 6),
       "eagle3_tree+lookup": lambda: entry(union(), 3, 7),
       "eagle1": lambda: entry(eagle("eagle1"), 3),
+      "mtp": lambda: entry(eagle("mtp"), 3),
+      "mtp_tree": lambda: entry(eagle("mtp", tree_width=2), 3, 6),
       "medusa": lambda: entry(medusa(), 3),
       "medusa_static_2x2x1": lambda: entry(
           medusa(tree_shape=static("2x2x1")), 3, 10),
@@ -255,8 +258,8 @@ def every_drafter(target, params, draft=None, names=None):
 def test_every_drafter_greedy_equals_transformers(arch, which, tmp_path):
   """Invariant: at T = 0 on a ragged batch, every drafter (n-gram chain
   and trie, the n-gram/retrieval trie, untrained EAGLE-3
-  chain, dynamic and static trees and tree + lookup trie, EAGLE-1 and
-  Medusa chains, a Medusa static tree, layer-skip, and a draft model of the
+  chain, dynamic and static trees and tree + lookup trie, EAGLE-1, MTP and
+  Medusa chains, an MTP dynamic tree, a Medusa static tree, layer-skip, and a draft model of the
   same architecture with other weights) emit transformers'
   ``generate(do_sample=False)`` tokens for each row run alone, on every
   architecture; and drafts were both accepted and rejected along the way."""

@@ -129,7 +129,7 @@ def _load_each_model_once(monkeypatch):
     ((*GEN, "--prompt", "hi", "--method", "eagle3", "--tree-shape", "2x0"),
      ["bad tree shape '2x0'"]),
     ((*GEN, "--prompt", "hi", "--method", "ngram", "--tree-shape", "2x2"),
-     ["--tree-shape is for EAGLE and Medusa heads"]),
+     ["--tree-shape is for EAGLE, MTP and Medusa heads"]),
     ((*GEN, "--prompt", "hi", "--method", "medusa", "--tree-nodes", "4"),
      ["Medusa trees are static", "--tree-shape"]),
     ((*GEN, "--prompt", "hi", "--method", "ngram", "--tree-nodes", "8",
@@ -214,7 +214,7 @@ def _load_each_model_once(monkeypatch):
         "/tmp/x", f"--config.{setting}"), [words]) for setting, words in (
             ("keep=0", "keep must be >= 1"),
             ("head.variant=eagle9", "head.variant must be one of eagle3, "
-             "eagle1, medusa, got 'eagle9'"),
+             "eagle1, medusa, mtp, got 'eagle9'"),
             ("optim.lr=nan", "optim.lr must be > 0, got nan"),
             ("optim.lr=-1", "optim.lr must be > 0"),
             ("ttt.warm_fraction=nan", "ttt.warm_fraction must be in [0, 1]"),

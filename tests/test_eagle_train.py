@@ -286,18 +286,20 @@ def test_conversation_mask_covers_assistant_output_only(smollm2):
                                        "Bye.<|im_end|>"]
 
 
-def test_eagle1_keeps_target_copies_frozen(tiny_model, tmp_path):
-  """Invariant: training an EAGLE-1 head leaves its copies of the target's
-  final norm and LM head exactly as initialized, while the rest moves."""
+@pytest.mark.parametrize("variant", ["eagle1", "mtp"])
+def test_target_copies_stay_frozen(tiny_model, tmp_path, variant):
+  """Invariant: training an EAGLE-1 or MTP head leaves its copies of the
+  target's final norm and LM head exactly as initialized, while the rest
+  moves."""
   import jax
   from specjax.heads.base import HeadConfig
   from specjax.heads.vocab import build_draft_vocab
-  cfg = CFG.updated({"head.variant": "eagle1", "ttt.steps": 1, "steps": 3,
+  cfg = CFG.updated({"head.variant": variant, "ttt.steps": 1, "steps": 3,
                      "head.draft_vocab": 37})
   run = etrain.train(cfg, tmp_path, model=tiny_model, examples=_examples(),
                      progress=False)
   tcfg, tparams = tiny_model.config, tiny_model.params
-  hcfg = HeadConfig.for_target(tcfg, 37, variant="eagle1")
+  hcfg = HeadConfig.for_target(tcfg, 37, variant=variant)
   vocab = build_draft_vocab([np.arange(37)], 37, 37)
   init = etrain.init_head(jax.random.key(cfg.seed), hcfg, tiny_model.target, tparams, vocab)
   for name in ("lm_head", "feature_norm"):

@@ -371,7 +371,7 @@ class _SiblingTree(DraftModelDrafter):
 # each at both temperatures.
 _EVERY = ["ngram_trie", "lookup_trie", "eagle3", "eagle3_tree",
           "eagle3_static_2x2", "eagle3_tree+lookup", "eagle1", "medusa",
-          "medusa_static_2x2x1", "layerskip"]
+          "medusa_static_2x2x1", "layerskip", "mtp", "mtp_tree"]
 
 
 # Every option: penalties that bite (the prompts repeat tokens, the output

@@ -18,8 +18,9 @@ Fast stage: a sampled chain whose draft vocabulary is smaller than V (an
 EAGLE-3 head, Vd = 10), a deterministic chain (n-gram), a model tree (EAGLE-2
 dynamic) and a static tree (the head's 2x2). Long stage: AR (the reference
 agrees with specjax's sampler), the other drafters (draft model, layer-skip,
-Medusa chain and tree, retrieval, the head's tree merged with the lookup
-trie) and the mutations the check must catch.
+Medusa chain and tree, an MTP module's chain and dynamic tree, retrieval,
+the head's tree merged with the lookup trie) and the mutations the check
+must catch.
 
 The other sampling options the same way, the law from transformers'
 processors (repetition penalty, sequence bias, min-p) and the OpenAI
@@ -181,7 +182,7 @@ def _head(target, variant="eagle3", **overrides):
   taps = dict(taps=(0, 1, 2)) if variant == "eagle3" else {}  # L = 2
   hcfg = HeadConfig.for_target(cfg, VD, variant=variant, **taps, **overrides)
   stream = np.random.default_rng(1).zipf(1.5, 400) % V
-  vocab = build_draft_vocab([stream], V, VD)
+  vocab = build_draft_vocab([stream], V, hcfg.draft_vocab)
   head = init_head(jax.random.key(2), hcfg, Decoder(cfg), params, vocab)
   return hcfg, head, jnp.asarray(vocab.ids)
 
@@ -214,7 +215,7 @@ def long_drafters(target, tmp_path_factory):
   from specjax.core import tree
   from specjax.drafters import (DraftModelDrafter, LayerSkipDrafter,
                                 LookupDrafter, RetrievalDrafter)
-  from specjax.drafters.eagle import EagleDrafter
+  from specjax.drafters.eagle import EagleDrafter, EagleParams
   from specjax.drafters.medusa import MedusaDrafter, MedusaParams
   from specjax.drafters.retrieval import build_datastore
   from specjax.drafters.union import TreeUnion, UnionParams
@@ -229,7 +230,13 @@ def long_drafters(target, tmp_path_factory):
       [PROMPT + rng.integers(0, cfg.vocab_size, 12).tolist()
        for _ in range(20)], num_slots=1024))
   hcfg, eagle = _eagle(target)
+  tcfg, thead, tids = _head(target, "mtp")
+  mtp = EagleParams(head=thead, draft_ids=tids,
+                    embed=Decoder(cfg).embedding(params))
   return {
+      "mtp_chain": (EagleDrafter(tcfg), mtp, {}),
+      "mtp_dynamic_tree": (EagleDrafter(tcfg, tree_width=2), mtp,
+                           dict(tree_nodes=4)),
       "draft_model_chain": (DraftModelDrafter(Decoder(draft_cfg)),
                             draft_params, {}),
       "layer_skip_chain": (LayerSkipDrafter.from_target(Decoder(cfg), 1),
@@ -277,7 +284,8 @@ def test_fast_drafters_sample_the_target_exactly(target, name):
 @pytest.mark.parametrize("name", ["draft_model_chain", "layer_skip_chain",
                                   "medusa_chain", "medusa_static_tree_2x2",
                                   "retrieval_trie",
-                                  "eagle_tree_with_lookup_trie"])
+                                  "eagle_tree_with_lookup_trie", "mtp_chain",
+                                  "mtp_dynamic_tree"])
 def test_other_drafters_sample_the_target_exactly(target, name,
                                                   tmp_path_factory):
   """Invariant: as the fast test, for every other kind of drafter."""

@@ -86,7 +86,7 @@ def test_static_tree_shape_sets_nodes_and_depth(smollm2):
   assert spec.label() == "eagle3(K=3, tree 2x2x1)"
   drafter = methods.build(smollm2, spec).drafter
   assert drafter.tree_shape == (0, 0, 0, 1, 1, 2, 2, 3, 4, 5, 6)
-  with pytest.raises(methods.MethodError, match="for EAGLE and Medusa heads"):
+  with pytest.raises(methods.MethodError, match="for EAGLE, MTP and Medusa heads"):
     methods.build(smollm2, methods.MethodSpec("ngram", tree_shape="2"))
 
 
@@ -182,11 +182,11 @@ def test_the_grammar_covers_every_key():
     ("eagle3:k=1.5", "k must be an integer, got '1.5'"),
     ("eagle3:conf=high", "conf must be a number, got 'high'"),
     ("eagle3:k=2:k=3", "k given twice"),
-    ("ngram:head=h.npz", "head is for eagle, eagle3, medusa; ngram would"),
+    ("ngram:head=h.npz", "head is for eagle, eagle3, medusa, mtp; ngram would"),
     ("eagle3:layers=3", "layers is for layerskip; eagle3 would"),
     ("ngram:conversations=300", "conversations is for eagle, eagle3, "
-     "medusa, ngram+retrieval, retrieval; ngram would"),
-    ("retrieval:width=2", "width is for eagle, eagle3, medusa, ngram, "
+     "medusa, mtp, ngram+retrieval, retrieval; ngram would"),
+    ("retrieval:width=2", "width is for eagle, eagle3, medusa, mtp, ngram, "
      "ngram+retrieval; retrieval would"),
     ("ar:k=3", "k is for draft, eagle"),
     ("eagle3:shape=1000x1000", "nodes"),

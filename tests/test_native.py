@@ -296,11 +296,12 @@ def test_packed_smollm2_logits_equal_xla(smollm2):
 
 
 @pytest.mark.parametrize("variant", [
-    "eagle3", pytest.param("eagle1", marks=pytest.mark.long)])
+    "eagle3", pytest.param("eagle1", marks=pytest.mark.long),
+    pytest.param("mtp", marks=pytest.mark.long)])
 @pytest.mark.parametrize("in_bf16", [False, True])
 def test_packed_head_equals_plain(variant, in_bf16):
-  """Invariant: an EAGLE head whose dense kernels are packed for the kernel
-  (``pack_head``; EAGLE-1's fc has a bias) computes the plain head's logits
+  """Invariant: an EAGLE or MTP head whose dense kernels are packed for the
+  kernel (``pack_head``; EAGLE-1's fc has a bias) computes the plain head's logits
   to 1e-5 of the largest, over 1 and 4 rows (a chain step, a tree level),
   and its parameters keep the plain ones' names. A head whose weights bf16
   holds exactly is packed in bf16, any other in f32."""
@@ -310,10 +311,10 @@ def test_packed_head_equals_plain(variant, in_bf16):
   from specjax.heads.base import HeadConfig, pack_head
   from specjax.models import decoder, layers
   cfg = HeadConfig(target_dim=48, target_vocab=101, target_layers=4,
-                   taps=(4,) if variant == "eagle1" else (1, 2, 3),
+                   taps=(1, 2, 3) if variant == "eagle3" else (4,),
                    num_heads=4, num_kv_heads=2, head_dim=12, ffn_dim=80,
-                   draft_vocab=101 if variant == "eagle1" else 57,
-                   variant=variant)
+                   draft_vocab=57 if variant == "eagle3" else 101,
+                   variant=variant, qk_norm=variant == "mtp")
   head = head_module(cfg)
   rng = np.random.default_rng(7)
   embed = jnp.asarray(rng.standard_normal((101, 48)), jnp.float32)

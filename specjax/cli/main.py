@@ -141,12 +141,15 @@ def _build_parser() -> argparse.ArgumentParser:
                     "process 0 prints and writes the results")
 
   e = sub.add_parser("export-head", help="write an EAGLE-3 head in the "
-                     "SpecForge/SGLang or vLLM speculators layout")
+                     "SpecForge/SGLang or vLLM speculators layout, an MTP "
+                     "module in DeepSeek-V3's, Qwen3.5's or speculators'")
   e.add_argument("head", help="a specjax head file (.npz)")
   e.add_argument("--format", required=True,
-                 choices=("specforge", "speculators"),
-                 help="specforge: SafeAILab/SpecForge/SGLang (midlayer.*); "
-                 "speculators: vLLM's (layers.0.*)")
+                 choices=("specforge", "speculators", "deepseek", "qwen3.5"),
+                 help="EAGLE-3: specforge (SafeAILab/SpecForge/SGLang, "
+                 "midlayer.*) or speculators (vLLM's, layers.0.*); MTP: "
+                 "deepseek (model.layers.L.*), qwen3.5 (mtp.*) or "
+                 "speculators (mtp_layers.0.*)")
   e.add_argument("--out", required=True, help="the directory to write")
   e.add_argument("--target-name", default="",
                  help="the target's name or path, for the speculators "
@@ -180,17 +183,17 @@ def _add_model_args(p, several: bool = False):
   p.add_argument("--tree-nodes", type=int, default=0,
                  help="draft trees of up to this many nodes, --num-draft "
                  "deep, verified in one forward (ngram, retrieval, eagle, "
-                 "eagle3; 0 = chains)")
+                 "eagle3, mtp; 0 = chains)")
   p.add_argument("--tree-width", type=int, default=4,
                  help="trees: n-gram matches merged, or EAGLE's top-k per "
                  "node")
   p.add_argument("--tree-shape", default="",
-                 help="eagle, eagle3, medusa: a static tree (for EAGLE "
+                 help="eagle, eagle3, mtp, medusa: a static tree (for EAGLE "
                  "instead of a dynamic one), as children per depth (2x2x1) "
                  "or rank paths (0,1,0.0; `specjax tune` proposes one); sets "
                  "--tree-nodes and --num-draft")
   p.add_argument("--lookup-nodes", type=int, default=0,
-                 help="eagle, eagle3, medusa trees: merge this many nodes of "
+                 help="eagle, eagle3, mtp, medusa trees: merge this many nodes of "
                  "the n-gram/retrieval trie into the head's tree (counted in "
                  "--tree-nodes; with --tree-shape, added to its nodes, and "
                  "--num-draft bounds the trie's depth)")
@@ -198,14 +201,14 @@ def _add_model_args(p, several: bool = False):
                  help="layer-skip: target layers the drafter runs "
                  "(default 80%% of them)")
   p.add_argument("--min-confidence", type=float, default=0.0,
-                 help="dynamic K (draft, layerskip, eagle, eagle3, medusa): stop "
+                 help="dynamic K (draft, layerskip, eagle, eagle3, mtp, medusa): stop "
                  "drafting a row when the draft's top probability falls "
                  "below this")
   p.add_argument("--draft-model", default=None,
                  help="--method draft: the draft model (.gguf or HF dir)")
   p.add_argument("--head", default=None,
-                 help="--method eagle, eagle3, medusa: a head file (default: "
-                 "the shipped one)")
+                 help="--method eagle, eagle3, mtp, medusa: a head file or "
+                 "directory (default: the shipped one)")
   p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                  help="weights and KV cache (default: float32 on a CPU, "
                  "bfloat16 on GPUs/TPUs); logits and verification stay f32")
@@ -744,12 +747,11 @@ def _notes_as_lines(show):
 
 
 def cmd_export_head(args) -> int:
-  from specjax.heads.export import load_head
-  from specjax.heads.interop import export_head
+  from specjax.heads.export import export_layout, load_head
   try:
     cfg, params, draft_ids = load_head(args.head)
-    out = export_head(args.out, cfg, params, draft_ids, args.format,
-                      target_name=args.target_name)
+    out = export_layout(args.out, cfg, params, draft_ids, args.format,
+                        target_name=args.target_name)
   except ValueError as e:
     raise UsageError(str(e)) from None
   except OSError as e:

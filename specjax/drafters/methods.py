@@ -20,9 +20,10 @@ if TYPE_CHECKING:
   from specjax.models.registry import Model
 
 METHODS = ("ar", "ngram", "draft", "layerskip", "retrieval", "ngram+retrieval",
-           "eagle", "eagle3", "medusa")
+           "eagle", "eagle3", "medusa", "mtp")
 # Methods that draft with a trained head, and the head variant each loads.
-HEADS = {"eagle": "eagle1", "eagle3": "eagle3", "medusa": "medusa"}
+HEADS = {"eagle": "eagle1", "eagle3": "eagle3", "medusa": "medusa",
+         "mtp": "mtp"}
 # Heads shipped inside the package, by (target model name, method).
 SHIPPED_HEADS = {("smollm2-135m", "eagle3"): "heads/smollm2-135m-eagle3.npz",
                  ("smollm2-135m", "medusa"): "heads/smollm2-135m-medusa.npz"}
@@ -104,11 +105,11 @@ class MethodSpec:
     draft_model: the "draft" method's model (a name, .gguf or HF dir).
     datastore_conversations: ShareGPT conversations behind "retrieval" and
       "ngram+retrieval".
-    head: the "eagle" (EAGLE-1) / "eagle3" / "medusa" head file (None = the
-      one shipped for the model).
+    head: the "eagle" (EAGLE-1) / "eagle3" / "medusa" / "mtp" head file or
+      directory (None = the one shipped for the model).
     tree_nodes: 0 for chains; else draft trees of up to this many nodes,
       ``num_draft`` deep (drafters with ``propose_tree``: "ngram",
-      "retrieval", "ngram+retrieval", "eagle", "eagle3", and "medusa" with a
+      "retrieval", "ngram+retrieval", "eagle", "eagle3", "mtp", and "medusa" with a
       ``tree_shape``).
     tree_width: a tree's branching: n-gram matches merged into the trie,
       or EAGLE's top-k per expanded node and nodes expanded per level.
@@ -242,15 +243,15 @@ class _Own:
     """Refuses what this method would ignore or cannot draft."""
     mine = {f.name for f in dataclasses.fields(self)}
     if self.spec.tree_shape and "tree_shape" not in mine:
-      raise MethodError(f"tree_shape is for EAGLE and Medusa heads (eagle, "
-                        f"eagle3, medusa), not {self.name}")
+      raise MethodError(f"tree_shape is for EAGLE, MTP and Medusa heads "
+                        f"(eagle, eagle3, mtp, medusa), not {self.name}")
     if self.spec.tree_nodes and "tree_nodes" not in mine:
       trees = [m for m in METHODS if m in readers("tree_nodes")]
       raise MethodError(f"method {self.name} drafts chains only; trees "
                         f"(tree_nodes) work with: {', '.join(trees)}")
     if self.spec.lookup_nodes and "lookup_nodes" not in mine:
       raise MethodError(f"lookup_nodes merges the n-gram/retrieval trie "
-                        f"into a head's tree (eagle, eagle3, medusa), not "
+                        f"into a head's tree (eagle, eagle3, mtp, medusa), not "
                         f"{self.name}'s; for the trie alone use method "
                         "ngram+retrieval")
     if self.spec.min_confidence and (self.spec.tree_nodes
@@ -261,7 +262,7 @@ class _Own:
     if self.spec.tree_width != _DEFAULT_WIDTH and not self.widens():
       raise MethodError(
           f"tree_width is for dynamic trees (ngram, ngram+retrieval, eagle, "
-          f"eagle3, or a head's lookup trie); {self.spec.label()} would "
+          f"eagle3, mtp, or a head's lookup trie); {self.spec.label()} would "
           "ignore it")
 
   def widens(self) -> bool:
@@ -353,8 +354,9 @@ class _LayerSkip(_Own):
 
 @dataclasses.dataclass(frozen=True)
 class _Head(_Own):
-  """"eagle" (EAGLE-1), "eagle3", "medusa": a trained head, chains or
-  trees, its trees merged with the lookup trie by ``lookup_nodes``."""
+  """"eagle" (EAGLE-1), "eagle3", "medusa", "mtp": a trained head (an MTP
+  module: one a checkpoint ships or one specjax trained), chains or trees,
+  its trees merged with the lookup trie by ``lookup_nodes``."""
   num_draft: int = 4
   tree_nodes: int = 0
   tree_width: int = 4
@@ -392,7 +394,7 @@ class _Head(_Own):
 _OWN = {"ar": _AR, "ngram": _NGram, "draft": _DraftModel,
         "layerskip": _LayerSkip, "retrieval": _Retrieval,
         "ngram+retrieval": _Lookup, "eagle": _Head, "eagle3": _Head,
-        "medusa": _Head}
+        "medusa": _Head, "mtp": _Head}
 # The drafters that stop a chain early on their own confidence (dynamic K).
 DYNAMIC_K = tuple(m for m in METHODS if m in readers("min_confidence"))
 _DEFAULT_WIDTH = MethodSpec.tree_width
@@ -490,6 +492,7 @@ def _head(model: "Model", spec: "_Head"):
   native CPU path when the target is."""
   import jax.numpy as jnp
 
+  from specjax.heads import with_shared
   from specjax.heads.base import pack_head
   from specjax.heads.export import load_head
   variant = HEADS[spec.name]
@@ -502,6 +505,7 @@ def _head(model: "Model", spec: "_Head"):
     method = {v: m for m, v in HEADS.items()}[cfg.variant]
     raise MethodError(f"head {str(path)!r} is an {cfg.variant} head; use "
                       f"method {method}")
+  head = with_shared(cfg, head, model.target, model.params)
   if model.native:  # the target's native CPU path: the head's too
     head = pack_head(head)
   shape = ()

@@ -1,5 +1,5 @@
 """Draft heads for decoding: what they share (``base``: ``HeadConfig``, the
-packed dense layer), the EAGLE-3 and EAGLE-1 modules (``eagle``), Medusa
+packed dense layer), the EAGLE-3, EAGLE-1 and MTP modules (``eagle``), Medusa
 (``medusa``), their portable files (``export``: ``load_head``,
 ``save_head``), the ecosystem's EAGLE-3 layouts (``interop``: SpecForge/
 SGLang and vLLM speculators) and draft vocabularies (``vocab``); the heads specjax ships
@@ -14,18 +14,17 @@ import jax.numpy as jnp
 from flax import traverse_util
 
 from specjax.heads.base import HeadConfig
-from specjax.heads.eagle import Eagle1Head, Eagle3Head
+from specjax.heads.eagle import Eagle1Head, Eagle3Head, MTPHead
 from specjax.heads.medusa import MedusaHead
 
 # Parameters training leaves alone, per variant (copies of target weights).
 FROZEN = {"eagle3": (), "eagle1": ("feature_norm", "lm_head"),
-          "medusa": ("feature_norm",)}
+          "medusa": ("feature_norm",), "mtp": ("feature_norm", "lm_head")}
 
 
 def head_module(cfg: HeadConfig) -> nn.Module:
-  if cfg.variant == "medusa":
-    return MedusaHead(cfg)
-  return (Eagle1Head if cfg.variant == "eagle1" else Eagle3Head)(cfg)
+  return dict(medusa=MedusaHead, eagle1=Eagle1Head, mtp=MTPHead).get(
+      cfg.variant, Eagle3Head)(cfg)
 
 
 def head_call(cfg: HeadConfig, params):
@@ -50,3 +49,20 @@ def param_shapes(cfg: HeadConfig) -> dict[str, tuple[int, ...]]:
       jax.random.key(0), *a), *args)["params"]
   return {k: tuple(v.shape) for k, v in
           traverse_util.flatten_dict(tree, sep="/").items()}
+
+
+def with_shared(cfg: HeadConfig, params, target, target_params):
+  """An MTP head's parameters with what it shares with its target filled in
+  where its checkpoint leaves them out (DeepSeek's and Qwen3.5's modules
+  read the target's): ``feature_norm``, the target's final norm, and
+  ``lm_head``, its LM head. Other heads are returned as they are."""
+  if cfg.variant != "mtp":
+    return params
+  params = dict(params)
+  if "feature_norm" not in params:
+    scale_D, _ = target.output_norm(target_params)
+    params["feature_norm"] = {"scale": jnp.asarray(scale_D, jnp.float32)}
+  if "lm_head" not in params:
+    params["lm_head"] = {"kernel": jnp.asarray(target.lm_head(target_params),
+                                               jnp.float32).T}
+  return params

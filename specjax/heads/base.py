@@ -19,7 +19,7 @@ from specjax.models.layers import (PackedWeight, linear, pack_weight,
                                    rms_norm, rope, rope_inv_freq)
 
 
-VARIANTS = ("eagle3", "eagle1", "medusa")
+VARIANTS = ("eagle3", "eagle1", "medusa", "mtp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,8 +41,16 @@ class HeadConfig:
       "eagle1" (the target's last hidden state after its final norm, the
       target's LM head over the full vocabulary, frozen) or "medusa"
       (``heads.medusa``: residual blocks on that last hidden state, one per
-      depth, sharing one LM head over Vd).
+      depth, sharing one LM head over Vd) or "mtp" (``heads.eagle.MTPHead``:
+      a multi-token-prediction module as DeepSeek-V3 and Qwen3.5 ship
+      inside their checkpoints, over the same feature as EAGLE-1, the full
+      vocabulary).
     medusa_heads: a Medusa head's depths (0 for the EAGLE variants).
+    qk_norm: the head's layer norms each query and key head (Qwen3's
+      layer; an MTP module takes its target's layer).
+    feed_normed: an MTP head's next step is fed its output after the final
+      norm (Qwen3.5, speculators) instead of its layer's output (DeepSeek-V3,
+      what specjax trains).
   """
   target_dim: int
   target_vocab: int
@@ -57,6 +65,8 @@ class HeadConfig:
   norm_eps: float = 1e-5
   variant: str = "eagle3"
   medusa_heads: int = 0
+  qk_norm: bool = False
+  feed_normed: bool = False
 
   def __post_init__(self):
     if self.variant not in VARIANTS:
@@ -65,16 +75,19 @@ class HeadConfig:
     if (self.variant == "medusa") != (self.medusa_heads > 0):
       raise ValueError(f"medusa_heads must be > 0 exactly for Medusa heads, "
                        f"got {self.medusa_heads} for {self.variant}")
+    if self.feed_normed and self.variant != "mtp":
+      raise ValueError(f"feed_normed is for MTP heads, not {self.variant}")
 
   @classmethod
   def for_target(cls, target: ModelConfig, draft_vocab: int,
                  variant: str = "eagle3", **overrides) -> "HeadConfig":
     """Defaults for a target: EAGLE-3 taps three layers' inputs
-    (``eagle3_taps``); EAGLE-1 the last layer's output (tap L) over the full vocabulary,
-    Medusa (4 depths) that tap over Vd; all take the target's attention
-    shape and MLP width (Medusa uses neither)."""
+    (``eagle3_taps``); EAGLE-1 and MTP the last layer's output (tap L) over
+    the full vocabulary, Medusa (4 depths) that tap over Vd; all take the
+    target's attention shape and MLP width (Medusa uses neither), an MTP
+    head its q/k norms too."""
     L = target.num_layers
-    eagle1 = variant == "eagle1"
+    full = variant in ("eagle1", "mtp")
     kw = dict(target_dim=target.dim, target_vocab=target.vocab_size,
               target_layers=L,
               taps=overrides.get("taps") or (
@@ -83,20 +96,23 @@ class HeadConfig:
               variant=variant,
               num_heads=target.num_heads, num_kv_heads=target.num_kv_heads,
               head_dim=target.head_dim, ffn_dim=target.ffn_dim,
-              draft_vocab=target.vocab_size if eagle1 else draft_vocab,
+              draft_vocab=target.vocab_size if full else draft_vocab,
               rope_theta=target.rope_theta,
-              norm_eps=target.norm_eps)
+              norm_eps=target.norm_eps,
+              qk_norm=variant == "mtp" and target.qk_norm)
     kw.update(overrides)
     return cls(**kw)
 
   def layer_config(self) -> ModelConfig:
-    """The EAGLE heads' decoder layer as ``decoder`` runs it: a Llama layer
-    (SwiGLU, plain RMSNorm, no biases) of the head's attention shape."""
+    """The EAGLE and MTP heads' decoder layer as ``decoder`` runs it: a
+    Llama layer (SwiGLU, plain RMSNorm, no biases) of the head's attention
+    shape, with q/k norms if ``qk_norm`` (Qwen3's layer)."""
     return ModelConfig(vocab_size=self.draft_vocab, dim=self.target_dim,
                        num_layers=1, num_heads=self.num_heads,
                        num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                        ffn_dim=self.ffn_dim, rope_theta=self.rope_theta,
-                       norm_eps=self.norm_eps, name=f"{self.variant} head")
+                       norm_eps=self.norm_eps, qk_norm=self.qk_norm,
+                       name=f"{self.variant} head")
 
   def check_fits(self, target: ModelConfig) -> None:
     """Raises ValueError naming the first mismatch with ``target``."""
@@ -105,10 +121,10 @@ class HeadConfig:
                                ("layer count", self.target_layers,
                                 target.num_layers)):
       if mine != theirs:
-        raise ValueError(f"EAGLE head was trained for a target with {name} "
+        raise ValueError(f"{self.variant} head was trained for a target with {name} "
                          f"{mine}, this target has {theirs}")
     if max(self.taps) > target.num_layers or min(self.taps) < 0:
-      raise ValueError(f"EAGLE head taps layers {list(self.taps)}; the "
+      raise ValueError(f"{self.variant} head taps layers {list(self.taps)}; the "
                        f"target's taps are 0..{target.num_layers}")
 
 
@@ -158,10 +174,13 @@ class DecoderLayer(nn.Module):
   the target's own code) with trainable weights in the decoder's fused
   layout: ``wqkv [X, G (R + 2) H]`` over an ``in_dim``-wide input X (2 D for
   EAGLE-3's token-and-feature input), ``wo``, ``mlp_norm``, ``w_gate_up``,
-  ``w_down``. The caller norms the input and runs the attention between
+  ``w_down``, and ``q_norm``, ``k_norm`` when ``cfg.qk_norm``. The caller
+  norms the input, unless ``attn_norm`` gives the layer its own input norm
+  (an MTP module's: a whole decoder layer), and runs the attention between
   ``qkv`` and ``out``. Weights may be packed (``pack_head``)."""
   cfg: ModelConfig
   in_dim: int
+  attn_norm: bool = False
 
   def _weight(self, name, init, shape):
     # A packed weight has other shapes than Flax's check expects (as Dense).
@@ -176,8 +195,12 @@ class DecoderLayer(nn.Module):
     w = nn.initializers.normal(0.02)
     D, F, NH = c.dim, c.ffn_dim, c.num_heads * c.head_dim
     QKV = NH + 2 * c.num_kv_heads * c.head_dim
+    ones = nn.initializers.ones
+    norm = lambda name, n, on: self._weight(name, ones, (n,)) if on else None
     self.weights = decoder.LayerParams(
-        attn_norm=None, bqkv=None,
+        attn_norm=norm("attn_norm", self.in_dim, self.attn_norm), bqkv=None,
+        q_norm=norm("q_norm", c.head_dim, c.qk_norm),
+        k_norm=norm("k_norm", c.head_dim, c.qk_norm),
         wqkv=self._weight("wqkv", w, (self.in_dim, QKV)),
         wo=self._weight("wo", w, (NH, D)),
         mlp_norm=self._weight("mlp_norm", nn.initializers.ones, (D,)),
@@ -185,8 +208,11 @@ class DecoderLayer(nn.Module):
         w_down=self._weight("w_down", w, (F, D)))
 
   def qkv(self, x_BTX, positions_BT):
-    """RoPE'd ``q [B, T, N, H]``, ``k``, ``v [B, T, G, H]``."""
+    """RoPE'd ``q [B, T, N, H]``, ``k``, ``v [B, T, G, H]`` (after the
+    layer's own input norm, if it has one)."""
     c = self.cfg
+    if self.weights.attn_norm is not None:
+      x_BTX = rms_norm(x_BTX, self.weights.attn_norm, c.norm_eps)
     cos_sin = rope(positions_BT, rope_inv_freq(c.head_dim, c.rope_theta))
     return decoder.layer_qkv(self.weights, c, x_BTX, cos_sin)
 

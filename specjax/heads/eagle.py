@@ -1,4 +1,5 @@
-"""The EAGLE-3 draft head (Flax): fused target features -> one decoder layer.
+"""The EAGLE-3 draft head (Flax): fused target features -> one decoder layer;
+EAGLE-1 and native multi-token-prediction (MTP) modules, the same interface.
 
 Follows the released reference code (SafeAILab/EAGLE) where it differs from
 the paper: the attention input is the 2D-wide
@@ -113,3 +114,44 @@ class Eagle1Head(nn.Module):
 
   def normed(self, out_BTD):
     return out_BTD
+
+
+class MTPHead(nn.Module):
+  """A multi-token-prediction module (DeepSeek-V3's, Qwen3.5's), same
+  interface: the feature is the target's last hidden state after its final
+  norm (``feature_norm``, frozen), the layer's input is
+  ``fc(concat(in_norm(embed(token)), hidden_norm(feature)))`` (DeepSeek's
+  ``eh_proj``, ``enorm``, ``hnorm``: embedding first), then one whole
+  decoder layer (its own input norm; q/k norms if ``cfg.qk_norm``), the
+  final ``norm`` and ``lm_head`` over the full vocabulary (the target's,
+  frozen). The next step is fed the layer's output (DeepSeek-V3) or, with
+  ``cfg.feed_normed``, its normed output (Qwen3.5, speculators). Trained
+  with soft CE only, as DeepSeek trains it."""
+  cfg: HeadConfig
+
+  def setup(self):
+    c = self.cfg
+    self.feature_norm = Norm(c.norm_eps)
+    self.in_norm, self.hidden_norm = Norm(c.norm_eps), Norm(c.norm_eps)
+    self.fc = dense(c.target_dim, "fc")
+    self.layer = DecoderLayer(c.layer_config(), c.target_dim, attn_norm=True)
+    self.norm = Norm(c.norm_eps)
+    self.lm_head = dense(c.draft_vocab, "lm_head")
+
+  __call__ = Eagle3Head.__call__
+  features = Eagle1Head.features
+
+  def project(self, tok_BT, h_BTD, embed_VD, positions_BT):
+    e_BTD = self.in_norm(jnp.take(embed_VD, tok_BT, axis=0).astype(h_BTD.dtype))
+    z_BTD = self.fc(jnp.concatenate([e_BTD, self.hidden_norm(h_BTD)], -1))
+    return (*self.layer.qkv(z_BTD, positions_BT), z_BTD)
+
+  def finish(self, resid_BTD, attn_BTNH):
+    out_BTD = self.layer.out(resid_BTD, attn_BTNH)
+    return self.norm(out_BTD) if self.cfg.feed_normed else out_BTD
+
+  def logits(self, out_BTD):
+    return self.lm_head(self.normed(out_BTD)).astype(jnp.float32)
+
+  def normed(self, out_BTD):
+    return out_BTD if self.cfg.feed_normed else self.norm(out_BTD)

@@ -49,6 +49,35 @@ def save_head(path, cfg: HeadConfig, params, draft_ids, dtype=jnp.bfloat16):
   tmp.replace(path)
 
 
+# The ecosystem's layouts a head of each variant exports to.
+LAYOUTS = {"eagle3": ("specforge", "speculators"),
+           "mtp": ("deepseek", "qwen3.5", "speculators")}
+
+
+def check_layout(fmt: str, variant: str, feed_normed: bool = False) -> None:
+  """ValueError unless a ``variant`` head (an MTP one feeding its normed
+  output if ``feed_normed``) can be written in layout ``fmt``."""
+  if variant == "mtp":
+    from specjax.heads.mtp_interop import check_export
+    return check_export(fmt, feed_normed)
+  from specjax.heads.interop import check_export
+  check_export(fmt, variant)
+
+
+def export_layout(out_dir, cfg: HeadConfig, params, draft_ids, fmt: str, *,
+                  target_name: str = "") -> pathlib.Path:
+  """The head in layout ``fmt`` (``LAYOUTS``) in directory ``out_dir``:
+  an EAGLE-3 head by ``interop.export_head``, an MTP module by
+  ``mtp_interop.export_mtp``."""
+  check_layout(fmt, cfg.variant, cfg.feed_normed)
+  if cfg.variant == "mtp":
+    from specjax.heads.mtp_interop import export_mtp
+    return export_mtp(out_dir, cfg, params, fmt, target_name=target_name)
+  from specjax.heads.interop import export_head
+  return export_head(out_dir, cfg, params, draft_ids, fmt,
+                     target_name=target_name)
+
+
 class HeadNote(UserWarning):
   """What loading a head from another layout assumed (``interop``)."""
 
@@ -56,7 +85,9 @@ class HeadNote(UserWarning):
 def load_head(path, target: ModelConfig | None = None):
   """``(HeadConfig, params (f32), draft_ids)``; checks fit to ``target``.
   A directory is an EAGLE-3 head in the SpecForge or speculators layout
-  (``interop.import_head``; it needs ``target``), whose assumptions come
+  (``interop.import_head``) or an MTP module in one of
+  ``mtp_interop.LAYOUTS`` (``mtp_interop.import_mtp``: a target's own
+  checkpoint may be given); it needs ``target``, and its assumptions come
   as ``HeadNote`` warnings."""
   if os.path.isdir(path):  # False for a name too long to be one
     return _load_dir(path, target)
@@ -93,11 +124,13 @@ def load_head(path, target: ModelConfig | None = None):
 
 def _load_dir(path, target: ModelConfig | None):
   import warnings
-  from specjax.heads.interop import import_head
+  from specjax.heads import interop, mtp_interop
   if target is None:
     raise ValueError(f"head directory {str(path)!r}: loading it needs the "
                      f"target's config")
-  cfg, params, draft_ids, notes = import_head(path, target)
+  mtp = mtp_interop.layout_of(interop.read_config(pathlib.Path(path)))
+  cfg, params, draft_ids, notes = (mtp_interop.import_mtp if mtp else
+                                   interop.import_head)(path, target)
   for note in notes:
     warnings.warn(f"head {str(path)!r}: {note}", HeadNote, stacklevel=3)
   return (cfg, jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params),

@@ -76,7 +76,7 @@ def check_export(fmt: str, variant: str) -> None:
     raise ValueError(f"head format {fmt!r} is not one of "
                      f"{', '.join(FORMATS)}")
   if variant != "eagle3":
-    raise ValueError(f"the {fmt} layout is for EAGLE-3 heads, not "
+    raise ValueError(f"the {fmt} layout is for EAGLE-3 and MTP heads, not "
                      f"{variant}")
 
 
@@ -135,30 +135,76 @@ def _readme(cfg: HeadConfig, fmt: str) -> str:
           f"ids; give it {[t - 1 for t in cfg.taps]}.\n")
 
 
-def _tensors(cfg: HeadConfig, params, draft_ids, prefix: str) -> dict:
-  f32 = lambda a: np.ascontiguousarray(np.asarray(a, np.float32))
-  layer = params["layer"]
+def torch_f32(a) -> np.ndarray:
+  """A vector as stored, a ``[in, out]`` kernel as torch's ``[out, in]``."""
+  a = np.asarray(a, np.float32)
+  return np.ascontiguousarray(a.T if a.ndim == 2 else a)
+
+
+def layer_to_torch(layer, p: str, cfg: HeadConfig) -> dict:
+  """``heads.base.DecoderLayer``'s parameters (its input norm aside) as a
+  transformers Llama/Qwen3 layer's tensors under prefix ``p``."""
   wq, wk, wv = split_qkv(np.asarray(layer["wqkv"]), cfg.num_kv_heads,
                          cfg.head_dim)
   gate, up = split_gate_up(np.asarray(layer["w_gate_up"]))
+  out = {f"{p}self_attn.{n}_proj.weight": torch_f32(w)
+         for n, w in (("q", wq), ("k", wk), ("v", wv), ("o", layer["wo"]))}
+  out.update({f"{p}post_attention_layernorm.weight": torch_f32(
+      layer["mlp_norm"]), f"{p}mlp.gate_proj.weight": torch_f32(gate),
+              f"{p}mlp.up_proj.weight": torch_f32(up),
+              f"{p}mlp.down_proj.weight": torch_f32(layer["w_down"])})
+  if cfg.qk_norm:
+    for n in ("q", "k"):
+      out[f"{p}self_attn.{n}_norm.weight"] = torch_f32(layer[f"{n}_norm"])
+  return out
+
+
+def layer_shapes(p: str, cfg: HeadConfig, in_dim: int) -> dict:
+  """The shape of each tensor ``layer_to_torch`` writes, for a layer over
+  an ``in_dim``-wide input."""
+  D, F, H = cfg.target_dim, cfg.ffn_dim, cfg.head_dim
+  NH, GH = cfg.num_heads * H, cfg.num_kv_heads * H
+  out = {f"{p}self_attn.q_proj.weight": (NH, in_dim),
+         f"{p}self_attn.k_proj.weight": (GH, in_dim),
+         f"{p}self_attn.v_proj.weight": (GH, in_dim),
+         f"{p}self_attn.o_proj.weight": (D, NH),
+         f"{p}post_attention_layernorm.weight": (D,),
+         f"{p}mlp.gate_proj.weight": (F, D), f"{p}mlp.up_proj.weight": (F, D),
+         f"{p}mlp.down_proj.weight": (D, F)}
+  if cfg.qk_norm:
+    out.update({f"{p}self_attn.q_norm.weight": (H,),
+                f"{p}self_attn.k_norm.weight": (H,)})
+  return out
+
+
+def layer_from_torch(t, p: str, cfg: HeadConfig) -> dict:
+  """The inverse of ``layer_to_torch``; ``t(name)`` reads a tensor."""
+  T = lambda name: t(p + name).T
+  layer = {"wqkv": fuse_qkv(T("self_attn.q_proj.weight"),
+                            T("self_attn.k_proj.weight"),
+                            T("self_attn.v_proj.weight"), cfg.num_kv_heads),
+           "wo": T("self_attn.o_proj.weight"),
+           "mlp_norm": t(p + "post_attention_layernorm.weight"),
+           "w_gate_up": fuse_gate_up(T("mlp.gate_proj.weight"),
+                                     T("mlp.up_proj.weight")),
+           "w_down": T("mlp.down_proj.weight")}
+  if cfg.qk_norm:
+    for n in ("q", "k"):
+      layer[f"{n}_norm"] = t(f"{p}self_attn.{n}_norm.weight")
+  return layer
+
+
+def _tensors(cfg: HeadConfig, params, draft_ids, prefix: str) -> dict:
   ids = np.asarray(draft_ids, np.int64)
   t2d = np.zeros(cfg.target_vocab, bool)
   t2d[ids] = True
-  p = prefix
   return {
-      "fc.weight": f32(params["fc"]["kernel"]).T.copy(),
-      f"{p}input_layernorm.weight": f32(params["in_norm"]["scale"]),
-      f"{p}hidden_norm.weight": f32(params["hidden_norm"]["scale"]),
-      f"{p}self_attn.q_proj.weight": f32(wq).T.copy(),
-      f"{p}self_attn.k_proj.weight": f32(wk).T.copy(),
-      f"{p}self_attn.v_proj.weight": f32(wv).T.copy(),
-      f"{p}self_attn.o_proj.weight": f32(layer["wo"]).T.copy(),
-      f"{p}post_attention_layernorm.weight": f32(layer["mlp_norm"]),
-      f"{p}mlp.gate_proj.weight": f32(gate).T.copy(),
-      f"{p}mlp.up_proj.weight": f32(up).T.copy(),
-      f"{p}mlp.down_proj.weight": f32(layer["w_down"]).T.copy(),
-      "norm.weight": f32(params["norm"]["scale"]),
-      "lm_head.weight": f32(params["lm_head"]["kernel"]).T.copy(),
+      "fc.weight": torch_f32(params["fc"]["kernel"]),
+      f"{prefix}input_layernorm.weight": torch_f32(params["in_norm"]["scale"]),
+      f"{prefix}hidden_norm.weight": torch_f32(params["hidden_norm"]["scale"]),
+      **layer_to_torch(params["layer"], prefix, cfg),
+      "norm.weight": torch_f32(params["norm"]["scale"]),
+      "lm_head.weight": torch_f32(params["lm_head"]["kernel"]),
       "d2t": ids - np.arange(len(ids)), "t2d": t2d}
 
 
@@ -170,7 +216,7 @@ def import_head(path, target: ModelConfig,
   assumed (the tap convention, a default it filled in), for the caller to
   show. ``HeadFormatError`` names anything it cannot honour."""
   root = pathlib.Path(path)
-  conf = _read_config(root)
+  conf = read_config(root)
   arch = conf.get("architectures") or []
   fmt = next((f for f, a in _ARCH.items() if a in arch), None)
   if fmt is None:
@@ -180,12 +226,12 @@ def import_head(path, target: ModelConfig,
       else conf
   notes = []
   cfg = _head_config(root, fmt, conf, layer, target, taps_convention, notes)
-  tensors = _read_tensors(root)
+  tensors = read_tensors(root)
   params, draft_ids = _params(root, fmt, cfg, tensors)
   return cfg, params, draft_ids, notes
 
 
-def _read_config(root: pathlib.Path) -> dict:
+def read_config(root: pathlib.Path) -> dict:
   try:
     conf = json.loads((root / "config.json").read_text())
   except (OSError, ValueError) as e:
@@ -238,7 +284,7 @@ def _refuse_math(root, fmt: str, conf: dict, layer: dict) -> None:
 def _head_config(root, fmt, conf, layer, target: ModelConfig,
                  taps_convention, notes) -> HeadConfig:
   _refuse_math(root, fmt, conf, layer)
-  need = lambda k: _field(root, layer, k)
+  need = lambda k: field(root, layer, k)
   D = need("hidden_size")
   target_dim = conf.get("target_hidden_size") or D  # null: as wide
   if target_dim != D:
@@ -294,19 +340,22 @@ def _taps(root, ids, convention, notes) -> tuple[int, ...]:
   return tuple(i + shift for i in ids)
 
 
-def _field(root, conf: dict, key: str):
+def field(root, conf: dict, key: str):
   if key not in conf:
     raise HeadFormatError(f"{root}: config.json lacks {key}")
   return conf[key]
 
 
-def _read_tensors(root: pathlib.Path) -> dict:
+def read_tensors(root: pathlib.Path, keep=lambda name: True) -> dict:
+  """Every tensor of the directory's weight files whose name ``keep``
+  accepts (a target checkpoint's MTP module: only its own are read)."""
   files = sorted(root.glob("*.safetensors"))
   if files:
-    from safetensors.numpy import load_file
+    from safetensors import safe_open
     out = {}
     for f in files:
-      out.update(load_file(str(f)))
+      with safe_open(str(f), framework="numpy") as h:
+        out.update({k: h.get_tensor(k) for k in h.keys() if keep(k)})
     return out
   bins = sorted(root.glob("*.bin"))
   if not bins:
@@ -320,32 +369,20 @@ def _read_tensors(root: pathlib.Path) -> dict:
   for f in bins:
     state = torch.load(f, map_location="cpu", weights_only=True)
     out.update({k: v.float().numpy() if v.is_floating_point() else v.numpy()
-                for k, v in state.items()})
+                for k, v in state.items() if keep(k)})
   return out
 
 
-def _params(root, fmt: str, cfg: HeadConfig, tensors: dict):
-  """``(params, draft_ids)``; HeadFormatError for a missing, extra or
-  misshapen tensor or a vocabulary map that is not one."""
-  D, F, Vd, V = cfg.target_dim, cfg.ffn_dim, cfg.draft_vocab, cfg.target_vocab
-  NH, GH = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-  p = _PREFIX[fmt]
-  want = {"fc.weight": (D, len(cfg.taps) * D),
-          f"{p}input_layernorm.weight": (D,), f"{p}hidden_norm.weight": (D,),
-          f"{p}self_attn.q_proj.weight": (NH, 2 * D),
-          f"{p}self_attn.k_proj.weight": (GH, 2 * D),
-          f"{p}self_attn.v_proj.weight": (GH, 2 * D),
-          f"{p}self_attn.o_proj.weight": (D, NH),
-          f"{p}post_attention_layernorm.weight": (D,),
-          f"{p}mlp.gate_proj.weight": (F, D), f"{p}mlp.up_proj.weight": (F, D),
-          f"{p}mlp.down_proj.weight": (D, F), "norm.weight": (D,),
-          "lm_head.weight": (Vd, D), "d2t": (Vd,), "t2d": (V,)}
-  optional = {"d2t", "t2d"} if Vd == V else set()
+def check_tensors(root, tensors: dict, want: dict, optional, what: str
+                  ) -> None:
+  """HeadFormatError for a tensor that is not in ``want`` (named by what
+  the file should hold, ``what``), one that is missing (unless
+  ``optional``) or one of another shape than ``want`` says."""
   for name in sorted(set(tensors) - set(want)):
     why = (" (specjax drafts with the target's embedding)"
            if name.endswith("embed_tokens.weight") else "")
-    raise HeadFormatError(f"{root}: tensor {name} is not part of a "
-                          f"one-layer EAGLE-3 head{why}; refusing to skip it")
+    raise HeadFormatError(f"{root}: tensor {name} is not part of {what}"
+                          f"{why}; refusing to skip it")
   for name, shape in want.items():
     if name not in tensors:
       if name in optional:
@@ -355,6 +392,19 @@ def _params(root, fmt: str, cfg: HeadConfig, tensors: dict):
       raise HeadFormatError(f"{root}: tensor {name} is "
                             f"{tuple(tensors[name].shape)}, the config says "
                             f"{shape}")
+
+
+def _params(root, fmt: str, cfg: HeadConfig, tensors: dict):
+  """``(params, draft_ids)``; HeadFormatError for a missing, extra or
+  misshapen tensor or a vocabulary map that is not one."""
+  D, Vd, V = cfg.target_dim, cfg.draft_vocab, cfg.target_vocab
+  p = _PREFIX[fmt]
+  want = {"fc.weight": (D, len(cfg.taps) * D),
+          f"{p}input_layernorm.weight": (D,), f"{p}hidden_norm.weight": (D,),
+          **layer_shapes(p, cfg, 2 * D), "norm.weight": (D,),
+          "lm_head.weight": (Vd, D), "d2t": (Vd,), "t2d": (V,)}
+  optional = {"d2t", "t2d"} if Vd == V else set()
+  check_tensors(root, tensors, want, optional, "a one-layer EAGLE-3 head")
   t = lambda name: np.asarray(tensors[name], np.float32)
   draft_ids = (np.arange(Vd) + np.asarray(tensors["d2t"], np.int64)
                if "d2t" in tensors else np.arange(Vd))
@@ -371,16 +421,7 @@ def _params(root, fmt: str, cfg: HeadConfig, tensors: dict):
       "fc": {"kernel": t("fc.weight").T},
       "in_norm": {"scale": t(f"{p}input_layernorm.weight")},
       "hidden_norm": {"scale": t(f"{p}hidden_norm.weight")},
-      "layer": {
-          "wqkv": fuse_qkv(t(f"{p}self_attn.q_proj.weight").T,
-                           t(f"{p}self_attn.k_proj.weight").T,
-                           t(f"{p}self_attn.v_proj.weight").T,
-                           cfg.num_kv_heads),
-          "wo": t(f"{p}self_attn.o_proj.weight").T,
-          "mlp_norm": t(f"{p}post_attention_layernorm.weight"),
-          "w_gate_up": fuse_gate_up(t(f"{p}mlp.gate_proj.weight").T,
-                                    t(f"{p}mlp.up_proj.weight").T),
-          "w_down": t(f"{p}mlp.down_proj.weight").T},
+      "layer": layer_from_torch(t, p, cfg),
       "norm": {"scale": t("norm.weight")},
       "lm_head": {"kernel": t("lm_head.weight").T}}
   return params, draft_ids.astype(np.int32)

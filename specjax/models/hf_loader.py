@@ -45,7 +45,11 @@ INERT = frozenset("""
   forced_eos_token_id remove_invalid_values exponential_decay_length_penalty
   suppress_tokens begin_suppress_tokens tf_legacy_loss use_bfloat16
   pruned_heads
-""".split())
+""".split()) | {
+    # A multi-token-prediction module beside the decoder (DeepSeek-V3's,
+    # Qwen3.5's): not part of its forward; ``--method mtp --head DIR`` reads
+    # it (``heads.mtp_interop``).
+    "num_nextn_predict_layers", "mtp_num_hidden_layers"}
 
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu",
                "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}

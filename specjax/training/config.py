@@ -60,8 +60,10 @@ class HeadRecipe:
   """The head a run trains and where it starts.
 
   Attributes:
-    variant: "eagle3", "eagle1" (the baseline; full vocabulary) or "medusa"
-      (``medusa_heads`` residual blocks on the last hidden state).
+    variant: "eagle3", "eagle1" (the baseline; full vocabulary), "medusa"
+      (``medusa_heads`` residual blocks on the last hidden state) or "mtp"
+      (DeepSeek-V3's multi-token-prediction module: full vocabulary, the
+      target's LM head; for a target that ships none).
     medusa_heads: a Medusa head's depths.
     draft_vocab: Vd, the draft vocabulary's size.
     init_layer: "random" (normal(0.02) layer weights) or "target": an
@@ -198,9 +200,10 @@ class TrainConfig:
       (tensor-parallel over ``model``), the head and optimizer state
       replicated (XLA all-reduces the gradients). Checkpoints restore onto
       whatever mesh the resuming run has.
-    export: ``"specforge"``, ``"speculators"`` or both, comma-separated:
-      the finished EAGLE-3 head also goes to ``workdir/head-FORMAT/`` in
-      that layout (``heads.interop``), for SGLang/SpecForge or vLLM.
+    export: layouts, comma-separated, the finished head also goes to, in
+      ``workdir/head-FORMAT/`` (``heads.export.LAYOUTS``): an EAGLE-3
+      head's ``"specforge"`` and ``"speculators"``, for SGLang/SpecForge
+      or vLLM; an MTP module's ``"deepseek"``.
   """
   model: str = "smollm2-135m"
   head: HeadRecipe = dataclasses.field(default_factory=HeadRecipe)
@@ -217,10 +220,10 @@ class TrainConfig:
   export: str = ""
 
   def __post_init__(self):
-    from specjax.heads.interop import check_export
+    from specjax.heads.export import check_layout
     for fmt in filter(None, self.export.split(",")):
       try:
-        check_export(fmt, self.head.variant)
+        check_layout(fmt, self.head.variant)
       except ValueError as e:
         raise ValueError(f"export: {e}") from None
     # keep = 0 would let orbax keep no checkpoint: a rerun would start over.

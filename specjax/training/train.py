@@ -141,7 +141,8 @@ def init_head(key, hcfg: HeadConfig, target: Target, target_params,
               vocab: DraftVocab):
   """Random init, then warm starts from the target: the LM head from the
   target's output rows of the draft vocabulary, and the target's final norm
-  (EAGLE-3: the head's output norm; EAGLE-1, Medusa: the feature norm)."""
+  (EAGLE-3: the head's output norm; EAGLE-1, Medusa: the feature norm; MTP:
+  both)."""
   B, T = 1, 4
   params = head_module(hcfg).init(
       key, jnp.zeros((B, T, len(hcfg.taps) * hcfg.target_dim)),
@@ -150,7 +151,8 @@ def init_head(key, hcfg: HeadConfig, target: Target, target_params,
   params = dict(params)
   params["lm_head"] = {
       "kernel": draft_rows(target.lm_head(target_params), vocab).T}
-  norm = "norm" if hcfg.variant == "eagle3" else "feature_norm"
+  norms = dict(eagle3=("norm",), mtp=("feature_norm", "norm")).get(
+      hcfg.variant, ("feature_norm",))
   try:
     scale_D, _ = target.output_norm(target_params)
   except NotImplementedError as e:
@@ -158,7 +160,8 @@ def init_head(key, hcfg: HeadConfig, target: Target, target_params,
       raise ValueError(f"a {hcfg.variant} head needs the target's final "
                        f"RMSNorm: {e}") from None
     return params  # EAGLE-3's output norm starts at one instead
-  params[norm] = {"scale": scale_D.astype(params[norm]["scale"].dtype)}
+  for norm in norms:
+    params[norm] = {"scale": scale_D.astype(params[norm]["scale"].dtype)}
   return params
 
 
@@ -258,7 +261,8 @@ def setup(cfg: TrainConfig, *, model=None,
                        f"head; this run trains {cfg.head.variant}")
     return Setup(model, train_ex, heldout_ex,
                  DraftVocab.from_ids(ids, tcfg.vocab_size), hcfg, params)
-  vd = tcfg.vocab_size if cfg.head.variant == "eagle1" else cfg.head.draft_vocab
+  vd = (tcfg.vocab_size if cfg.head.variant in ("eagle1", "mtp")
+        else cfg.head.draft_vocab)
   vocab = build_draft_vocab(
       (r[m] for r, m in zip(train_ex.ids, train_ex.mask)), tcfg.vocab_size,
       min(vd, tcfg.vocab_size), always=tcfg.eos_ids)
@@ -420,10 +424,10 @@ def train(cfg: TrainConfig, workdir: str, *, model=None,
   if lead:
     head = sharding.to_host(state["params"])
     save_head(work / "head.npz", s.hcfg, head, s.vocab.ids)
-    from specjax.heads.interop import export_head
+    from specjax.heads.export import export_layout
     for fmt in filter(None, cfg.export.split(",")):
-      export_head(work / f"head-{fmt}", s.hcfg, head, s.vocab.ids, fmt,
-                  target_name=cfg.model)
+      export_layout(work / f"head-{fmt}", s.hcfg, head, s.vocab.ids, fmt,
+                    target_name=cfg.model)
   return Run(params=state["params"], losses=losses, step=end, setup=s,
              stopped=stopped)
 
