@@ -202,6 +202,34 @@ def test_the_checkpoints_module_drafts_greedy_exactly(deepseek):
     assert 0 < accepted < drafted, spec
 
 
+def test_training_goes_on_from_the_checkpoints_module(deepseek, tmp_path):
+  """Invariant: ``head.init_head=<target checkpoint>`` trains the module
+  the checkpoint ships, from its weights (the first loss is that module's,
+  not a fresh head's), with the target's final norm and the module's LM
+  head frozen, and the result is exported in the module's layout."""
+  from tests.test_eagle_train import CFG, _examples
+  from specjax.training import train as etrain
+  d, _ = deepseek
+  model = _model(d)
+  cfg = CFG.updated({"head.variant": "mtp", "head.init_head": str(d),
+                     "steps": 2, "export": "deepseek"})
+  run = etrain.train(cfg, tmp_path / "go_on", model=model,
+                     examples=_examples(), progress=False)
+  fresh = etrain.train(cfg.updated({"head.init_head": ""}), tmp_path / "new",
+                       model=model, examples=_examples(), progress=False)
+  shipped = with_shared(*load_head(str(d), model.config)[:2], model.target,
+                        model.params)
+  for name in ("lm_head", "feature_norm"):
+    jax.tree.map(np.testing.assert_array_equal, run.params[name],
+                 shipped[name])
+  assert run.losses[1] != fresh.losses[1]
+  hcfg, params, _, _ = import_mtp(tmp_path / "go_on" / "head-deepseek",
+                                  model.config)
+  assert hcfg.variant == "mtp" and not hcfg.feed_normed
+  np.testing.assert_allclose(params["fc"]["kernel"],
+                             np.asarray(run.params["fc"]["kernel"]))
+
+
 @pytest.mark.parametrize("fmt", ["deepseek", "qwen3.5", "speculators"])
 def test_export_then_import_gives_the_module_back(deepseek, fmt, tmp_path):
   """Invariant: a module exported in a layout imports as itself (config

@@ -255,10 +255,12 @@ def setup(cfg: TrainConfig, *, model=None,
     heldout_ex = rewrite(heldout_ex)
   if cfg.head.init_head:
     from specjax.heads.export import load_head
+    from specjax.heads import with_shared
     hcfg, params, ids = load_head(cfg.head.init_head, tcfg)
     if hcfg.variant != cfg.head.variant:
       raise ValueError(f"init_head {cfg.head.init_head!r} is an {hcfg.variant} "
                        f"head; this run trains {cfg.head.variant}")
+    params = with_shared(hcfg, params, model.target, model.params)
     return Setup(model, train_ex, heldout_ex,
                  DraftVocab.from_ids(ids, tcfg.vocab_size), hcfg, params)
   vd = (tcfg.vocab_size if cfg.head.variant in ("eagle1", "mtp")
