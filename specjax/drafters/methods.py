@@ -13,7 +13,7 @@ with a one-line message the CLI prints as is.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 if TYPE_CHECKING:
   from specjax.drafters.base import Method
@@ -74,9 +74,8 @@ def parse_knobs(text: str) -> tuple[str, dict]:
 
 def readers(field: str) -> frozenset:
   """The methods that read the ``MethodSpec`` field ``field`` (their own
-  config has it, ``_OWN``): a knob is refused for any other."""
-  return frozenset(name for name, own in _OWN.items()
-                   if field in {f.name for f in dataclasses.fields(own)})
+  config's ``READS``, ``_OWN``): a knob is refused for any other."""
+  return frozenset(name for name, own in _OWN.items() if field in own.READS)
 
 
 def knobs_of(name: str) -> list[str]:
@@ -215,7 +214,7 @@ def build(model: Model, spec: MethodSpec) -> Method:
   """The ``Method`` (drafter, its parameters, K, tree nodes) ``spec``
   names, on the target ``model``: the method's own config (``_OWN``)
   checks what only it can, then builds its drafter."""
-  own = _OWN[spec.name].of(spec)
+  own = _OWN[spec.name](spec)
   own.check()
   drafter, params = own.build(model)
   from specjax.drafters.base import AR, Method
@@ -224,24 +223,23 @@ def build(model: Model, spec: MethodSpec) -> Method:
   return Method(drafter, params, spec.k, spec.tree_nodes)
 
 
-# Each method's own config: the ``MethodSpec`` fields it reads (a field
-# not here is one the method would ignore), the rules between them, and
-# how it builds its drafter. ``of`` takes them from a spec; a field the
-# method does not read but the spec sets is refused by ``check``.
+# Each method's own config: the ``MethodSpec`` fields it reads (``READS``:
+# a field not there is one the method would ignore; they read through to
+# the spec), the rules between them, and how it builds its drafter. A field
+# the method does not read but the spec sets is refused by ``check``.
 @dataclasses.dataclass(frozen=True)
 class _Own:
-  name: str
   spec: MethodSpec
+  READS: ClassVar[frozenset] = frozenset()
 
-  @classmethod
-  def of(cls, spec: MethodSpec) -> "_Own":
-    return cls(**{f.name: getattr(spec, f.name)
-                  for f in dataclasses.fields(cls) if f.name != "spec"},
-               spec=spec)
+  def __getattr__(self, field: str):
+    if field == "name" or field in self.READS:
+      return getattr(self.spec, field)
+    raise AttributeError(f"{type(self).__name__} does not read {field}")
 
   def check(self) -> None:
     """Refuses what this method would ignore or cannot draft."""
-    mine = {f.name for f in dataclasses.fields(self)}
+    mine = self.READS
     if self.spec.tree_shape and "tree_shape" not in mine:
       raise MethodError(f"tree_shape is for EAGLE, MTP and Medusa heads "
                         f"(eagle, eagle3, mtp, medusa), not {self.name}")
@@ -273,7 +271,6 @@ class _Own:
     raise NotImplementedError
 
 
-@dataclasses.dataclass(frozen=True)
 class _AR(_Own):
   """No drafter: the knobs a list of methods shares (``bench``) are
   nothing to it."""
@@ -285,11 +282,8 @@ class _AR(_Own):
     return None, None
 
 
-@dataclasses.dataclass(frozen=True)
 class _NGram(_Own):
-  num_draft: int = 4
-  tree_nodes: int = 0
-  tree_width: int = 4
+  READS = frozenset({"num_draft", "tree_nodes", "tree_width"})
 
   def widens(self):
     return bool(self.tree_nodes)
@@ -299,25 +293,19 @@ class _NGram(_Own):
     return NGramDrafter(num_paths=self.tree_width), None
 
 
-@dataclasses.dataclass(frozen=True)
 class _Retrieval(_Own):
-  num_draft: int = 4
-  tree_nodes: int = 0
-  datastore_conversations: Optional[int] = None
+  READS = frozenset({"num_draft", "tree_nodes", "datastore_conversations"})
 
   def build(self, model):
     from specjax.drafters import RetrievalDrafter
     return RetrievalDrafter(), _datastore(model, self.datastore_conversations)
 
 
-@dataclasses.dataclass(frozen=True)
 class _Lookup(_Own):
   """"ngram+retrieval": n-gram with ``tree_width`` matches, then the
   datastore."""
-  num_draft: int = 4
-  tree_nodes: int = 0
-  tree_width: int = 4
-  datastore_conversations: Optional[int] = None
+  READS = frozenset({"num_draft", "tree_nodes", "tree_width",
+                     "datastore_conversations"})
 
   def widens(self):
     return bool(self.tree_nodes)
@@ -326,21 +314,15 @@ class _Lookup(_Own):
     return _lookup(model, self.tree_width, self.datastore_conversations)
 
 
-@dataclasses.dataclass(frozen=True)
 class _DraftModel(_Own):
-  num_draft: int = 4
-  min_confidence: float = 0.0
-  draft_model: Optional[str] = None
+  READS = frozenset({"num_draft", "min_confidence", "draft_model"})
 
   def build(self, model):
     return _draft_model(model, self.draft_model, self.min_confidence)
 
 
-@dataclasses.dataclass(frozen=True)
 class _LayerSkip(_Own):
-  num_draft: int = 4
-  min_confidence: float = 0.0
-  layers: Optional[int] = None
+  READS = frozenset({"num_draft", "min_confidence", "layers"})
 
   def build(self, model):
     from specjax.drafters import LayerSkipDrafter
@@ -352,19 +334,13 @@ class _LayerSkip(_Own):
       raise MethodError(str(e)) from None
 
 
-@dataclasses.dataclass(frozen=True)
 class _Head(_Own):
   """"eagle" (EAGLE-1), "eagle3", "medusa", "mtp": a trained head (an MTP
   module: one a checkpoint ships or one specjax trained), chains or trees,
   its trees merged with the lookup trie by ``lookup_nodes``."""
-  num_draft: int = 4
-  tree_nodes: int = 0
-  tree_width: int = 4
-  tree_shape: str = ""
-  lookup_nodes: int = 0
-  min_confidence: float = 0.0
-  head: Optional[str] = None
-  datastore_conversations: Optional[int] = None
+  READS = frozenset({"num_draft", "tree_nodes", "tree_width", "tree_shape",
+                     "lookup_nodes", "min_confidence", "head",
+                     "datastore_conversations"})
 
   def widens(self):
     return bool(self.tree_nodes) and bool(
