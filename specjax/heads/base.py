@@ -121,11 +121,11 @@ class HeadConfig:
                                ("layer count", self.target_layers,
                                 target.num_layers)):
       if mine != theirs:
-        raise ValueError(f"{self.variant} head was trained for a target with {name} "
-                         f"{mine}, this target has {theirs}")
+        raise ValueError(f"{self.variant} head was trained for a target "
+                         f"with {name} {mine}, this target has {theirs}")
     if max(self.taps) > target.num_layers or min(self.taps) < 0:
-      raise ValueError(f"{self.variant} head taps layers {list(self.taps)}; the "
-                       f"target's taps are 0..{target.num_layers}")
+      raise ValueError(f"{self.variant} head taps layers {list(self.taps)}; "
+                       f"the target's taps are 0..{target.num_layers}")
 
 
 def eagle3_taps(num_layers: int) -> tuple[int, ...]:

@@ -49,11 +49,6 @@ def save_head(path, cfg: HeadConfig, params, draft_ids, dtype=jnp.bfloat16):
   tmp.replace(path)
 
 
-# The ecosystem's layouts a head of each variant exports to.
-LAYOUTS = {"eagle3": ("specforge", "speculators"),
-           "mtp": ("deepseek", "qwen3.5", "speculators")}
-
-
 def check_layout(fmt: str, variant: str, feed_normed: bool = False) -> None:
   """ValueError unless a ``variant`` head (an MTP one feeding its normed
   output if ``feed_normed``) can be written in layout ``fmt``."""
@@ -66,9 +61,9 @@ def check_layout(fmt: str, variant: str, feed_normed: bool = False) -> None:
 
 def export_layout(out_dir, cfg: HeadConfig, params, draft_ids, fmt: str, *,
                   target_name: str = "") -> pathlib.Path:
-  """The head in layout ``fmt`` (``LAYOUTS``) in directory ``out_dir``:
-  an EAGLE-3 head by ``interop.export_head``, an MTP module by
-  ``mtp_interop.export_mtp``."""
+  """The head in layout ``fmt`` in directory ``out_dir``: an EAGLE-3 head
+  by ``interop.export_head`` (``interop.FORMATS``), an MTP module by
+  ``mtp_interop.export_mtp`` (``mtp_interop.LAYOUTS``)."""
   check_layout(fmt, cfg.variant, cfg.feed_normed)
   if cfg.variant == "mtp":
     from specjax.heads.mtp_interop import export_mtp

@@ -201,7 +201,7 @@ class TrainConfig:
       replicated (XLA all-reduces the gradients). Checkpoints restore onto
       whatever mesh the resuming run has.
     export: layouts, comma-separated, the finished head also goes to, in
-      ``workdir/head-FORMAT/`` (``heads.export.LAYOUTS``): an EAGLE-3
+      ``workdir/head-FORMAT/`` (``heads.export.export_layout``): an EAGLE-3
       head's ``"specforge"`` and ``"speculators"``, for SGLang/SpecForge
       or vLLM; an MTP module's ``"deepseek"``.
   """
