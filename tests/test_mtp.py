@@ -29,7 +29,7 @@ from safetensors.numpy import load_file, save_file
 from specjax.core import bucketing, engine
 from specjax.drafters import methods
 from specjax.heads import head_call, with_shared
-from specjax.heads.export import load_head
+from specjax.heads.export import HeadNote, load_head
 from specjax.heads.interop import HeadFormatError
 from specjax.heads.mtp_interop import export_mtp, import_mtp
 from specjax.models import layers
@@ -41,6 +41,7 @@ from tests.tiny_hf import make_tiny
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SPECULATORS = ROOT / ".venv" / "speculators"
 STEPS = 2  # depths compared: the second is fed the first's output
+P = "model.layers.3."  # the DeepSeek layout's module: the tiny target has 3
 
 
 @pytest.fixture(scope="module")
@@ -139,13 +140,15 @@ def _deepseek_reference(conf: dict, seed: int):
 @pytest.fixture(scope="module")
 def deepseek(target_dir, tmp_path_factory):
   """The target's checkpoint with a DeepSeek-layout MTP module added (a
-  shard of its own, ``num_nextn_predict_layers: 1``), and the reference."""
+  shard of its own, ``num_nextn_predict_layers: 1``, the copy of the
+  target's embedding DeepSeek ships beside it), and the reference."""
   src, conf = target_dir
   d = tmp_path_factory.mktemp("qwen3_mtp")
   shutil.copytree(src, d, dirs_exist_ok=True)
   conf = {**conf, "num_nextn_predict_layers": 1}
   (d / "config.json").write_text(json.dumps(conf))
   tensors, forward = _deepseek_reference(conf, seed=4)
+  tensors[P + "embed_tokens.weight"] = np.asarray(load_hf(src)[1].embed)
   save_file(tensors, str(d / "model-mtp.safetensors"))
   return d, forward
 
@@ -158,7 +161,8 @@ def test_a_deepseek_layout_module_computes_vllms_forward(deepseek):
   d, forward = deepseek
   model = _model(d)
   cfg, tparams = model.config, model.params
-  hcfg, params, _ = load_head(str(d), cfg)
+  with pytest.warns(HeadNote, match="embed_tokens.weight not read"):
+    hcfg, params, _ = load_head(str(d), cfg)
   assert (hcfg.variant, hcfg.feed_normed, hcfg.qk_norm) == ("mtp", False,
                                                            True)
   params = with_shared(hcfg, params, model.target, model.params)
@@ -249,7 +253,6 @@ def test_export_then_import_gives_the_module_back(deepseek, fmt, tmp_path):
   jax.tree.map(np.testing.assert_array_equal, got, params)
 
 
-P = "model.layers.3."  # the tiny target has 3 layers
 REFUSED = [  # (change to the checkpoint, words in the error)
     ("extra", {P + "mlp.experts.0.gate_proj.weight": (44, 32)},
      "not part of one MTP module"),

@@ -58,9 +58,6 @@ _NOT_IN_LIBRARY = {
 _COUNT = {"deepseek": "num_nextn_predict_layers",
           "qwen3.5": "mtp_num_hidden_layers",
           "speculators": "num_nextn_predict_layers"}
-# Tensors a layout carries that are the target's own (read there).
-_TARGETS_OWN = {"deepseek": "embed_tokens.weight",
-                "speculators": "verifier_lm_head.weight"}
 
 
 def layout_of(conf: dict):
@@ -77,13 +74,15 @@ def layout_of(conf: dict):
 def _names(fmt: str, L: int) -> dict:
   """Each parameter of the module (beside its layer's) -> its tensor name;
   ``layer``: the layer's prefix; ``root``: what every tensor it reads
-  starts with."""
+  starts with; ``copy``: a copy of the target's own tensor it carries (not
+  read), and what that is."""
   if fmt == "deepseek":
     p = f"model.layers.{L}."
     return dict(root=p, layer=p, fc=p + "eh_proj.weight",
                 in_norm=p + "enorm.weight", hidden_norm=p + "hnorm.weight",
                 norm=p + "shared_head.norm.weight",
-                lm_head=p + "shared_head.head.weight")
+                lm_head=p + "shared_head.head.weight",
+                copy=(p + "embed_tokens.weight", "embedding"))
   if fmt == "qwen3.5":
     return dict(root="mtp.", layer="mtp.layers.0.", fc="mtp.fc.weight",
                 in_norm="mtp.pre_fc_norm_embedding.weight",
@@ -93,7 +92,8 @@ def _names(fmt: str, L: int) -> dict:
   return dict(root="", layer=p, fc=p + "input_proj.weight",
               in_norm=p + "token_layernorm.weight",
               hidden_norm=p + "hidden_layernorm.weight",
-              norm=p + "final_layernorm.weight")
+              norm=p + "final_layernorm.weight",
+              copy=("verifier_lm_head.weight", "LM head"))
 
 
 def import_mtp(path, target: ModelConfig):
@@ -112,11 +112,10 @@ def import_mtp(path, target: ModelConfig):
   notes = []
   cfg = _head_config(root, fmt, conf, layer, target, notes)
   names = _names(fmt, cfg.target_layers)
-  own = names["root"] + _TARGETS_OWN.get(fmt, "\0")
   tensors = read_tensors(root, lambda k: k.startswith(names["root"]))
-  if tensors.pop(own, None) is not None:
-    notes.append(f"{own} not read: specjax drafts with the target's "
-                 f"{'embedding' if fmt == 'deepseek' else 'LM head'}")
+  copy, what = names.get("copy", (None, None))
+  if tensors.pop(copy, None) is not None:
+    notes.append(f"{copy} not read: specjax drafts with the target's {what}")
   return cfg, _params(root, cfg, names, tensors), np.arange(
       cfg.draft_vocab, dtype=np.int32), notes
 
