@@ -18,6 +18,10 @@ changes the math is honoured or refused with its name -- several layers,
 ``norm_before_fc``), a head without its final norm, its own token
 embedding, biases, RoPE scaling.
 
+The transformers layer's tensors (``layer_to_torch``, ``layer_from_torch``,
+``layer_shapes``), the strict tensor check and the readers serve the MTP
+layouts too (``mtp_interop``).
+
 Taps. specjax, vLLM and tpu-inference number a tap by the decoder layer
 whose *input* it is (``capture-before``: 0 = the embedding); SGLang and
 SpecForge's trainer by the layer whose *output* it is, one less. A file's
@@ -76,8 +80,8 @@ def check_export(fmt: str, variant: str) -> None:
     raise ValueError(f"head format {fmt!r} is not one of "
                      f"{', '.join(FORMATS)}")
   if variant != "eagle3":
-    raise ValueError(f"the {fmt} layout is for EAGLE-3 and MTP heads, not "
-                     f"{variant}")
+    heads = "EAGLE-3 and MTP" if fmt == "speculators" else "EAGLE-3"
+    raise ValueError(f"the {fmt} layout is for {heads} heads, not {variant}")
 
 
 def export_head(out_dir, cfg: HeadConfig, params, draft_ids, fmt: str,
@@ -98,7 +102,8 @@ def export_head(out_dir, cfg: HeadConfig, params, draft_ids, fmt: str,
   return out
 
 
-def _layer_fields(cfg: HeadConfig) -> dict:
+def layer_fields(cfg: HeadConfig) -> dict:
+  """The head's layer as transformers' Llama config fields."""
   return dict(
       hidden_size=cfg.target_dim, intermediate_size=cfg.ffn_dim,
       num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
@@ -114,10 +119,10 @@ def _config(cfg: HeadConfig, fmt: str, target_name: str) -> dict:
                eagle_aux_hidden_state_layer_ids=list(cfg.taps))
   if fmt == "specforge":
     return dict(architectures=[_ARCH[fmt]], model_type="llama",
-                **_layer_fields(cfg), **eagle)
+                **layer_fields(cfg), **eagle)
   return dict(
       architectures=[_ARCH[fmt]], speculators_model_type="eagle3",
-      transformer_layer_config=dict(model_type="llama", **_layer_fields(cfg)),
+      transformer_layer_config=dict(model_type="llama", **layer_fields(cfg)),
       norm_before_fc=False, fc_norm=False, norm_output=False, **eagle,
       speculators_config=dict(
           algorithm="eagle3", default_proposal_method="greedy",

@@ -35,8 +35,8 @@ import pathlib
 import numpy as np
 
 from specjax.heads.base import HeadConfig
-from specjax.heads.interop import (HeadFormatError, _layer_fields,
-                                   check_tensors, field, layer_from_torch,
+from specjax.heads.interop import (HeadFormatError, check_tensors, field,
+                                   layer_fields, layer_from_torch,
                                    layer_shapes, layer_to_torch, read_config,
                                    read_tensors, torch_f32)
 from specjax.models.config import ModelConfig
@@ -240,7 +240,7 @@ def export_mtp(out_dir, cfg: HeadConfig, params, fmt: str, *,
 def _config(cfg: HeadConfig, fmt: str, target_name: str) -> dict:
   mtype = "qwen3" if cfg.qk_norm else "llama"
   arch = ["Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"]
-  layer = dict(_layer_fields(cfg), model_type=mtype,
+  layer = dict(layer_fields(cfg), model_type=mtype,
                num_hidden_layers=cfg.target_layers)
   if fmt != "speculators":
     return dict(architectures=arch, **layer, **{_COUNT[fmt]: 1})
