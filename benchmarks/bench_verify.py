@@ -12,7 +12,9 @@ read's time over the one-token step's, at the first batch size).
 every layer's four matmuls (fused q/k/v, o, fused gate/up, down: 120 for 30
 layers) plus the LM head on independent inputs, once as XLA's ``x @ W`` and
 once as ``small_gemm.small_matmul`` on packed weights, and a read of every
-weight once (a sum: the weight-read roofline). Timed round-robin (one call
+weight once (a sum: the weight-read roofline); ``of_peak``: the share of
+the cores' FMA peak (``fma_peak``, in the kernels' register width) a
+program reaches. Timed round-robin (one call
 of each per round), median over rounds. Prints one JSON line: ms per
 program and M, the ratio to M = 1, the machine and the kernels' instruction
 set (``native.isa()``; ``SPECJAX_NATIVE_ISA=avx2`` runs the AVX2 variant on
@@ -29,6 +31,7 @@ import sys
 import jax
 import jax.numpy as jnp
 from benchmarks.common import machine, median, timed
+from benchmarks.fma_peak import peak_gflops
 from benchmarks.gpu.cost_curve import context_cache, donated_forward  # noqa: E501
 from specjax.kernels import native, small_gemm
 from specjax.measure.bench import git_sha
@@ -141,14 +144,18 @@ def matmuls(ws: list, rows: list[int], repeats: int) -> dict:
       jax.block_until_ready(fn(*a))
       calls[(name, M)] = lambda fn=fn, a=a: fn(*a)
   ms = time_round_robin(calls, repeats)
+  peak = peak_gflops(native.isa())
   nbytes = sum(w.size * 4 for w in ws)
+  gflop = lambda M: 2 * M * sum(w.size for w in ws) / 1e9
   read_ms = ms[("read", rows[0])]
   return dict(weight_mb=round(nbytes / 1e6, 1), read_ms=round(read_ms, 2),
-              read_gb_s=round(nbytes / read_ms / 1e6, 2), matmuls=[
+              read_gb_s=round(nbytes / read_ms / 1e6, 2),
+              fma_peak_gflops=round(peak, 1), matmuls=[
                   dict(rows=M, **{name: dict(
                       ms=round(ms[(name, M)], 2),
                       vs_m1=round(ms[(name, M)] / ms[(name, rows[0])], 3),
-                      vs_read=round(ms[(name, M)] / read_ms, 3))
+                      vs_read=round(ms[(name, M)] / read_ms, 3),
+                      of_peak=round(gflop(M) / ms[(name, M)] * 1e3 / peak, 3))
                       for name in ("xla", "native")}) for M in rows])
 
 
