@@ -14,13 +14,14 @@ from specjax.kernels import native, small_gemm
 # SmolLM2's matrices, and odd ones: N not a multiple of 16, odd K, N < 16.
 SHAPES = [(576, 1728), (576, 3072), (1536, 576), (577, 1000), (5, 17),
           (64, 3)]
-ROWS = [1, 2, 3, 5, 6, 7, 8, 13, 16, 31, 64]
+ROWS = [1, 2, 3, 5, 6, 7, 8, 13, 16, 31, 64, 65, 100, 131]
 
 
 @pytest.mark.parametrize("K,N", SHAPES)
 def test_small_matmul_equals_xla_dot(K, N):
-  """Invariant: for M = 1..64 rows (every register-block remainder) the
-  kernel's product equals XLA's ``x @ W`` to 1e-5 relative (f32)."""
+  """Invariant: for M = 1..64 rows (every register-block remainder) and
+  past 64 (the many-row path: packed full blocks, a partial last block)
+  the kernel's product equals XLA's ``x @ W`` to 1e-5 relative (f32)."""
   assert native.available(), "built with the package (setup.py)"
   rng = np.random.default_rng(K * N)
   w = jnp.asarray(rng.standard_normal((K, N)), jnp.float32)
@@ -123,7 +124,7 @@ def test_narrower_variants_give_the_same_products(cap):
   import subprocess
   import sys
   tests = ("isa_is_the_widest or small_matmul_equals_xla or bf16_panels or "
-           "attention_equals_xla")
+           "attention_equals_xla or prefill_chunk")
   run = subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
        __file__, "-k", tests], capture_output=True, text=True,
@@ -160,7 +161,8 @@ def test_vmap_over_the_custom_call():
     (2, 4, 4, 4, 8, 16, [14, 2]),  # new tokens past the capacity
     (2, 3, 10, 2, 40, 36, [5, 31]),  # 5 queries a kv head, H = 5 vectors
     (1, 2, 2, 1, 12, 9, [3]),  # H not a multiple of 8: the plain C++
-    (1, 3, 3, 1, 16, 48, [17])])  # a 16-slot block spills past the prefix
+    (1, 3, 3, 1, 16, 48, [17]),  # a 16-slot block spills past the prefix
+    (2, 100, 9, 3, 64, 420, [300, 0])])  # past 64 tokens: tasks of 16
 def test_attention_equals_xla_and_never_reads_stale_slots(B, T, N, G, H, S,
                                                          lengths):
   """Invariants: attention of T new tokens over a ragged cache prefix plus
@@ -198,6 +200,30 @@ def test_attention_equals_xla_and_never_reads_stale_slots(B, T, N, G, H, S,
   # XLA's attention (GPU/TPU, bf16, prefill) ignores them too.
   np.testing.assert_allclose(layers.attention(q, k, v, prefix, new=new), ref,
                              atol=1e-5)
+
+
+@pytest.mark.parametrize("T,lengths", [(65, [0, 3]), (130, [512, 77])])
+def test_attention_of_a_prefill_chunk_equals_xla(T, lengths):
+  """Invariant: a causal chunk of T > 64 new tokens (tasks of 16 tokens,
+  each reading the new tokens up to the last one it sees) over a ragged
+  prefix, the first chunk (no prefix) included, equals
+  ``layers.attention`` (1e-5), with NaN/inf in the slots past each prefix
+  (never read)."""
+  from specjax.models import layers
+  B, N, G, H, S = 2, 9, 3, 64, 640
+  rng = np.random.default_rng(T)
+  normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+  q, k, v = normal(B, T, N, H), normal(B, G, H, S), normal(B, G, S, H)
+  k_new, v_new = normal(B, T, G, H), normal(B, T, G, H)
+  lens = jnp.asarray(lengths, jnp.int32)
+  mask = layers.causal_mask(B, T)
+  prefix = (jnp.arange(S)[None, :] < lens[:, None])[:, None, :]
+  ref = layers.attention(q, k, v, prefix,
+                         new=(k_new, v_new, jnp.repeat(mask, N // G, axis=1)))
+  for b, used in enumerate(lengths):
+    k[b, :, :, used:], v[b, :, used:] = np.nan, np.inf
+  got = jax.jit(native_attention.attention)(q, k, v, k_new, v_new, lens, mask)
+  np.testing.assert_allclose(got, ref, atol=1e-5)
 
 
 @pytest.mark.parametrize("packed", [False, True])

@@ -1,5 +1,5 @@
 // Attention of T new tokens over a row's KV cache, for decode and verify
-// steps on the CPU, as an XLA FFI custom call. XLA's version
+// steps and prefill chunks on the CPU, as an XLA FFI custom call. XLA's version
 // computes every one of the cache's S slots through small batched dots and a
 // softmax over [B, G, T * R, S], and costs a third of a SmolLM2 decode step
 // (18 of 55 ms at 256 cached tokens in a 512-slot cache; 65 of 115 ms at
@@ -8,7 +8,9 @@
 // AVX-512 or AVX2 both products are blocked in registers (a key or value
 // vector loaded once for several queries) and the cache lines are
 // prefetched: 30 layers at 8 new tokens took 2.2 ms with AVX2 (5.5 ms with
-// GCC's vectorized loops alone).
+// GCC's vectorized loops alone). A prefill chunk (up to 512 tokens) runs in
+// tasks of 16 tokens, each reading the chunk's tokens only up to the last
+// one it sees (causal: half of them on average; docs/RESULTS.md, "Prefill").
 //
 // New token t of row b sees the row's prefix, cache slots s < lengths[b],
 // and new token u iff mask[b, t, u]. The new tokens' keys and values come
@@ -143,7 +145,9 @@ struct Task {
   float* out;      // as q
   int64_t stride;  // between tokens in q and out: N * H
   int64_t new_stride;  // between new tokens in k_new and v_new: G * H
-  int64_t H, S, used, prefix, t0, t1, T, R;  // used = prefix + T
+  // used = prefix + tn: the task reads new tokens [0, tn), past the last
+  // one its tokens see (a causal prefill chunk's token t sees t + 1).
+  int64_t H, S, used, prefix, t0, t1, T, tn, R;
   const bool* mask;  // the row's [T, T]
 };
 
@@ -153,7 +157,7 @@ __attribute__((always_inline)) inline void scores_new(const Task& t,
                                                       int64_t Q, float* scores,
                                                       int64_t ld) {
   for (int64_t i = 0; i < Q; ++i)
-    for (int64_t u = 0; u < t.T; ++u) {
+    for (int64_t u = 0; u < t.tn; ++u) {
       const float* kn = t.k_new + u * t.new_stride;
       float acc = 0.0f;
       for (int64_t h = 0; h < t.H; ++h) acc += qs[i * t.H + h] * kn[h];
@@ -167,7 +171,7 @@ __attribute__((always_inline)) inline void values_new(const Task& t,
                                                       int64_t Q, int64_t ld) {
   for (int64_t i = 0; i < Q; ++i) {
     float* orow = t.out + (i / t.R) * t.stride + (i % t.R) * t.H;
-    for (int64_t u = 0; u < t.T; ++u) {
+    for (int64_t u = 0; u < t.tn; ++u) {
       const float pu = p[i * ld + t.prefix + u];
       const float* vn = t.v_new + u * t.new_stride;
       for (int64_t j = 0; j < t.H; ++j) orow[j] += pu * vn[j];
@@ -196,7 +200,7 @@ int64_t score_stride(int64_t prefix, int64_t T) {
 }
 
 void attend_generic(const Task& t, float* qs, float* scores) {
-  const int64_t Q = (t.t1 - t.t0) * t.R, ld = score_stride(t.prefix, t.T);
+  const int64_t Q = (t.t1 - t.t0) * t.R, ld = score_stride(t.prefix, t.tn);
   scale_queries(t, qs);
   scores_plain(qs, Q, t.k, t.H, t.S, 0, t.prefix, scores, ld);
   scores_new(t, qs, Q, scores, ld);
@@ -376,7 +380,7 @@ __attribute__((always_inline)) inline void attend_blocked(const Task& t,
                                                           float* qs,
                                                           float* scores,
                                                           float* kt) {
-  const int64_t Q = (t.t1 - t.t0) * t.R, ld = score_stride(t.prefix, t.T);
+  const int64_t Q = (t.t1 - t.t0) * t.R, ld = score_stride(t.prefix, t.tn);
   const auto score = [&](const float* keys, int64_t stride, int64_t s0,
                          float* out) {
     for (int64_t i = 0; i < Q; i += P::kScoreQ)
@@ -393,10 +397,10 @@ __attribute__((always_inline)) inline void attend_blocked(const Task& t,
   // The new tokens' keys as an [H, Tp] block (zero-padded to whole blocks
   // of 16), scored like cache slots, right after the prefix's (past
   // `used`, the padding's scores are never read).
-  const int64_t Tp = blocks16(t.T);
+  const int64_t Tp = blocks16(t.tn);
   for (int64_t h = 0; h < t.H; ++h)
     for (int64_t u = 0; u < Tp; ++u)
-      kt[h * Tp + u] = u < t.T ? t.k_new[u * t.new_stride + h] : 0.0f;
+      kt[h * Tp + u] = u < t.tn ? t.k_new[u * t.new_stride + h] : 0.0f;
   for (int64_t u0 = 0; u0 < Tp; u0 += 16) score(kt, Tp, u0, scores + t.prefix);
   softmax_rows(scores, ld, Q, t.R, t.used, t.prefix, t.mask, t.t0, t.T);
   for (int64_t i = 0; i < Q; i += P::kValueQ) {
@@ -469,24 +473,36 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const int32_t* lp = lengths.typed_data();
   const bool* mp = mask.typed_data();
   float* op = out->typed_data();
-  // Tasks: (row, kv head, up to kTokens new tokens), so that a verify of
-  // T tokens at batch 1 still gives every thread work.
-  constexpr int64_t kTokens = 2;
-  const int64_t blocks = (T + kTokens - 1) / kTokens;
+  // Tasks: (row, kv head, up to `per` new tokens): 2, so that a verify of
+  // T tokens at batch 1 still gives every thread work; 16 past 64 tokens (a
+  // prefill chunk), so that a task's queries share its keys' transpose.
+  const int64_t per = T <= 64 ? 2 : 16;
+  const int64_t blocks = (T + per - 1) / per;
   specjax::parallel_for(pool, B * G * blocks, [&](int64_t task) {
     const int64_t b = task / (G * blocks), g = task / blocks % G;
-    const int64_t t0 = task % blocks * kTokens;
-    const int64_t t1 = std::min(T, t0 + kTokens);
+    const int64_t t0 = task % blocks * per;
+    const int64_t t1 = std::min(T, t0 + per);
     const int64_t prefix = std::clamp<int64_t>(lp[b], 0, S);
-    const int64_t used = prefix + T;
+    const bool* row_mask = mp + b * T * T;
+    int64_t tn = 0;  // one past the last new token these tokens see
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t u = T; u > tn; --u)
+        if (row_mask[t * T + u - 1]) {
+          tn = u;
+          break;
+        }
     const int64_t Q = (t1 - t0) * R;
-    const int64_t ld = score_stride(prefix, T);
-    std::vector<float> scratch(Q * (H + ld) + H * blocks16(T));
+    const int64_t ld = score_stride(prefix, tn);
+    // Per thread, kept between calls (it only grows): a prefill chunk's
+    // scores are megabytes, which a fresh allocation would page in per task.
+    static thread_local std::vector<float> scratch;
+    const size_t need = Q * (H + ld) + H * blocks16(tn);
+    if (scratch.size() < need) scratch.resize(need);
     const int64_t at = ((b * T + t0) * N + g * R) * H;
     const int64_t at_new = (b * T * G + g) * H;
     attend(Task{qp + at, kp + (b * G + g) * H * S, vp + (b * G + g) * S * H,
                 knp + at_new, vnp + at_new, op + at, N * H, G * H, H, S,
-                used, prefix, t0, t1, T, R, mp + b * T * T},
+                prefix + tn, prefix, t0, t1, T, tn, R, row_mask},
            scratch.data(), scratch.data() + Q * H,
            scratch.data() + Q * (H + ld));
   });

@@ -1,8 +1,10 @@
-"""Decode and verify attention over a row's cache slots in use, on the CPU
-(``attention.cc``): the attention of packed models (``decoder.forward``).
-XLA's attention computes every slot of the cache and costs a third of a
-SmolLM2 decode step; this reads only the slots a row has filled. Its VJP is
-XLA's attention (``models.layers``).
+"""Decode, verify and prefill-chunk attention over a row's cache slots in
+use, on the CPU (``attention.cc``): the attention of packed models
+(``decoder.forward``). XLA's attention computes every slot of the cache and
+costs a third of a SmolLM2 decode step, and in a prefill chunk every slot
+of the capacity for every token; this reads only the slots a row has filled
+and, of the chunk's own tokens, those up to the last one a token sees. Its
+VJP is XLA's attention (``models.layers``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,11 @@
-// y[M, N] = x[M, K] @ W for a few rows M, on the CPU, as an XLA FFI custom
-// call. Decode and verify forwards multiply a handful of rows by
-// weights far larger than the caches, so the time is the weight read: the
-// kernel streams each weight once and keeps every row's partial sums in
-// registers.
+// y[M, N] = x[M, K] @ W on the CPU, as an XLA FFI custom call. Decode and
+// verify forwards multiply a handful of rows by weights far larger than the
+// caches, so the time is the weight read: the kernel streams each weight
+// once and keeps every row's partial sums in registers. Past kFewMany (16)
+// rows — verify blocks at larger batches, prefill chunks — the FMAs bound
+// the time instead (at the cores' FMA peak SmolLM2's matmuls take as long
+// as their read at ~17 rows), and `panels_many` blocks for the FMA units:
+// rows packed once, panels outermost, each block over the whole of K.
 //
 // W arrives pre-arranged ("packed", specjax/native.py: pack) as panels of
 // 16 output columns, [P = ceil(N / 16), K, 16], the last panel zero-padded:
@@ -31,6 +34,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "common.h"
 #include "xla/ffi/api/ffi.h"
@@ -45,7 +49,9 @@ constexpr int64_t kChunk = 128;  // panel rows a chunk: 8 KB, stays in L1
 constexpr int64_t kAhead = 16;   // panel rows prefetched ahead: 1 KB
 constexpr int64_t kGroup = 48;   // rows sharing one output tile
 constexpr int64_t kOneRows = 6;  // most rows in a one-panel block
+constexpr int64_t kWideRows = 12;  // most rows in a two-panel block
 constexpr int64_t kFew = 8;      // up to this many rows: one-panel blocks
+constexpr int64_t kFewMany = 16;  // more rows than this: panels_many
 
 using bf16 = uint16_t;  // the top half of an f32's bits
 
@@ -80,8 +86,19 @@ inline float widen(bf16 w) {
   return f;
 }
 
+// Where a block kernel finds row r's value at k: x row-major (row r at
+// x + r * ldx) or, PACKED, the block's MB rows interleaved k-major
+// (`pack_rows`), so that one k's values are adjacent and a block needs one
+// pointer for them.
+template <int MB, bool PACKED>
+__attribute__((always_inline)) inline const float* at(const float* x,
+                                                       int64_t ldx, int r,
+                                                       int64_t k) {
+  return PACKED ? x + k * MB + r : x + r * ldx + k;
+}
+
 // Every block kernel reads row r of x at x + r * ldx and writes row r of its
-// output tile at out + r * kTile. Named accumulators, stored one by one: with
+// output tile at out + r * ldo. Named accumulators, stored one by one: with
 // an array, or a loop over one at the end, GCC keeps them in memory and
 // stores them back on every k (blocks of 1-4 rows ran at a third of the
 // speed that way). Panel row k * step / 2^16 past `ahead` is prefetched on
@@ -91,18 +108,18 @@ inline float widen(bf16 w) {
 // holds when `accumulate`). AVX2 + FMA: two ymm accumulators a row (two
 // independent FMA chains even for one row), the panel row's two vectors
 // loaded once for all rows.
-template <typename W, int MB, int NP>
+template <typename W, int MB, int NP, bool PACKED>
 __attribute__((target("avx2,fma"))) void block_avx2(
     const float* x, int64_t ldx, const W* panel, int64_t, int64_t K,
-    float* out, bool accumulate, const W* ahead, int64_t step) {
+    float* out, int64_t ldo, bool accumulate, const W* ahead, int64_t step) {
   static_assert(NP == 1, "AVX2 blocks take one panel");
   __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0,
          h2 = l0, l3 = l0, h3 = l0, l4 = l0, h4 = l0, l5 = l0, h5 = l0;
   if (accumulate) {
 #define SPECJAX_LOAD(r)                                                   \
   if constexpr (MB > r) {                                                 \
-    l##r = _mm256_loadu_ps(out + r * kTile);                              \
-    h##r = _mm256_loadu_ps(out + r * kTile + 8);                          \
+    l##r = _mm256_loadu_ps(out + r * ldo);                                \
+    h##r = _mm256_loadu_ps(out + r * ldo + 8);                            \
   }
     SPECJAX_LOAD(0) SPECJAX_LOAD(1) SPECJAX_LOAD(2)
     SPECJAX_LOAD(3) SPECJAX_LOAD(4) SPECJAX_LOAD(5)
@@ -115,7 +132,7 @@ __attribute__((target("avx2,fma"))) void block_avx2(
     const __m256 w1 = load8(panel + k * kLanes + 8);
 #define SPECJAX_ROW(r)                                                    \
   if constexpr (MB > r) {                                                 \
-    const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);               \
+    const __m256 xb = _mm256_broadcast_ss(at<MB, PACKED>(x, ldx, r, k));  \
     l##r = _mm256_fmadd_ps(xb, w0, l##r);                                 \
     h##r = _mm256_fmadd_ps(xb, w1, h##r);                                 \
   }
@@ -125,8 +142,8 @@ __attribute__((target("avx2,fma"))) void block_avx2(
   }
 #define SPECJAX_STORE(r)                                                  \
   if constexpr (MB > r) {                                                 \
-    _mm256_storeu_ps(out + r * kTile, l##r);                              \
-    _mm256_storeu_ps(out + r * kTile + 8, h##r);                          \
+    _mm256_storeu_ps(out + r * ldo, l##r);                                \
+    _mm256_storeu_ps(out + r * ldo + 8, h##r);                            \
   }
   SPECJAX_STORE(0) SPECJAX_STORE(1) SPECJAX_STORE(2)
   SPECJAX_STORE(3) SPECJAX_STORE(4) SPECJAX_STORE(5)
@@ -140,10 +157,10 @@ __attribute__((target("avx2,fma"))) void block_avx2(
 // broadcast of a row's value feeds two FMAs: half the broadcasts, and a
 // weight chunk read from L1 by half as many blocks, as one-panel blocks of 6
 // rows (32 rows: 1.93x a one-row matmul instead of 2.11x; DESIGN.md).
-template <typename W, int MB, int NP>
+template <typename W, int MB, int NP, bool PACKED>
 __attribute__((target("avx512f"))) void block_avx512(
     const float* x, int64_t ldx, const W* panel, int64_t pstride, int64_t K,
-    float* out, bool accumulate, const W* ahead, int64_t step) {
+    float* out, int64_t ldo, bool accumulate, const W* ahead, int64_t step) {
   static_assert(NP == 1 || NP == 2, "AVX-512 blocks take one or two panels");
   __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0,
          a5 = a0, a6 = a0, a7 = a0, a8 = a0, a9 = a0, a10 = a0, a11 = a0;
@@ -154,8 +171,8 @@ __attribute__((target("avx512f"))) void block_avx512(
   if (accumulate) {
 #define SPECJAX_LOAD(r)                                                   \
   if constexpr (MB > r) {                                                 \
-    a##r = _mm512_loadu_ps(out + r * kTile);                              \
-    if constexpr (NP > 1) b##r = _mm512_loadu_ps(out + r * kTile + kLanes); \
+    a##r = _mm512_loadu_ps(out + r * ldo);                                \
+    if constexpr (NP > 1) b##r = _mm512_loadu_ps(out + r * ldo + kLanes); \
   }
     SPECJAX_EACH(SPECJAX_LOAD)
 #undef SPECJAX_LOAD
@@ -169,7 +186,7 @@ __attribute__((target("avx512f"))) void block_avx512(
     const __m512 w1 = NP > 1 ? load16(panel + pstride + k * kLanes) : w0;
 #define SPECJAX_ROW(r)                                                    \
   if constexpr (MB > r) {                                                 \
-    const __m512 xb = _mm512_set1_ps(x[r * ldx + k]);                     \
+    const __m512 xb = _mm512_set1_ps(*at<MB, PACKED>(x, ldx, r, k));      \
     a##r = _mm512_fmadd_ps(xb, w0, a##r);                                 \
     if constexpr (NP > 1) b##r = _mm512_fmadd_ps(xb, w1, b##r);           \
   }
@@ -178,8 +195,8 @@ __attribute__((target("avx512f"))) void block_avx512(
   }
 #define SPECJAX_STORE(r)                                                  \
   if constexpr (MB > r) {                                                 \
-    _mm512_storeu_ps(out + r * kTile, a##r);                              \
-    if constexpr (NP > 1) _mm512_storeu_ps(out + r * kTile + kLanes, b##r); \
+    _mm512_storeu_ps(out + r * ldo, a##r);                                \
+    if constexpr (NP > 1) _mm512_storeu_ps(out + r * ldo + kLanes, b##r); \
   }
   SPECJAX_EACH(SPECJAX_STORE)
 #undef SPECJAX_STORE
@@ -187,43 +204,48 @@ __attribute__((target("avx512f"))) void block_avx512(
 }
 
 // The same in plain C++, for CPUs without AVX2 + FMA.
-template <typename W, int MB, int NP>
+template <typename W, int MB, int NP, bool PACKED>
 void block_generic(const float* x, int64_t ldx, const W* panel, int64_t,
-                   int64_t K, float* out, bool accumulate, const W*,
-                   int64_t) {
+                   int64_t K, float* out, int64_t ldo, bool accumulate,
+                   const W*, int64_t) {
   static_assert(NP == 1, "plain C++ blocks take one panel");
   float acc[MB][kLanes] = {};
   if (accumulate)
     for (int r = 0; r < MB; ++r)
-      std::memcpy(acc[r], out + r * kTile, sizeof(acc[r]));
+      std::memcpy(acc[r], out + r * ldo, sizeof(acc[r]));
   for (int64_t k = 0; k < K; ++k)
     for (int r = 0; r < MB; ++r)
       for (int64_t j = 0; j < kLanes; ++j)
-        acc[r][j] += x[r * ldx + k] * widen(panel[k * kLanes + j]);
+        acc[r][j] +=
+            *at<MB, PACKED>(x, ldx, r, k) * widen(panel[k * kLanes + j]);
   for (int r = 0; r < MB; ++r)
-    std::memcpy(out + r * kTile, acc[r], sizeof(acc[r]));
+    std::memcpy(out + r * ldo, acc[r], sizeof(acc[r]));
 }
 
 template <typename W>
 using BlockFn = void (*)(const float*, int64_t, const W*, int64_t, int64_t,
-                         float*, bool, const W*, int64_t);
+                         float*, int64_t, bool, const W*, int64_t);
 #define SPECJAX_BLOCKS6(fn, W, NP)                                        \
-  {nullptr, fn<W, 1, NP>, fn<W, 2, NP>, fn<W, 3, NP>, fn<W, 4, NP>,       \
-   fn<W, 5, NP>, fn<W, 6, NP>}
+  {nullptr, fn<W, 1, NP, false>, fn<W, 2, NP, false>, fn<W, 3, NP, false>, \
+   fn<W, 4, NP, false>, fn<W, 5, NP, false>, fn<W, 6, NP, false>}
 #define SPECJAX_BLOCKS12(fn, W, NP)                                       \
-  {nullptr, fn<W, 1, NP>, fn<W, 2, NP>, fn<W, 3, NP>, fn<W, 4, NP>,       \
-   fn<W, 5, NP>, fn<W, 6, NP>, fn<W, 7, NP>, fn<W, 8, NP>, fn<W, 9, NP>,  \
-   fn<W, 10, NP>, fn<W, 11, NP>, fn<W, 12, NP>}
+  {nullptr, fn<W, 1, NP, false>, fn<W, 2, NP, false>, fn<W, 3, NP, false>, \
+   fn<W, 4, NP, false>, fn<W, 5, NP, false>, fn<W, 6, NP, false>,         \
+   fn<W, 7, NP, false>, fn<W, 8, NP, false>, fn<W, 9, NP, false>,         \
+   fn<W, 10, NP, false>, fn<W, 11, NP, false>, fn<W, 12, NP, false>}
 
 // The block kernels for this CPU and weight type, chosen once by the CPU's
 // features (specjax::isa: SPECJAX_NATIVE_ISA may cap them): how many
 // adjacent panels a block takes, its most rows, and the kernels by row count
-// for that many panels (`wide`) and for one (a range's odd last panel).
+// for that many panels (`wide`) and for one (a range's odd last panel); and
+// the kernels of a full block on packed rows (`pack_rows`), for that many
+// panels and for one.
 template <typename W>
 struct Blocks {
   int64_t panels, rows;
   const BlockFn<W>* wide;
   const BlockFn<W>* one;
+  BlockFn<W> packed_wide, packed_one;
 
   static constexpr BlockFn<W> avx512_two[13] =
       SPECJAX_BLOCKS12(block_avx512, W, 2);
@@ -235,10 +257,15 @@ struct Blocks {
   static const Blocks& cpu() {
     static const Blocks b =
         specjax::isa() == specjax::Isa::kAvx512
-            ? Blocks{2, 12, avx512_two, avx512_one}
+            ? Blocks{2, kWideRows, avx512_two, avx512_one,
+                     block_avx512<W, kWideRows, 2, true>,
+                     block_avx512<W, kWideRows, 1, true>}
         : specjax::isa() == specjax::Isa::kAvx2
-            ? Blocks{1, kOneRows, avx2, avx2}
-            : Blocks{1, kOneRows, generic, generic};
+            ? Blocks{1, kOneRows, avx2, avx2, block_avx2<W, kOneRows, 1, true>,
+                     block_avx2<W, kOneRows, 1, true>}
+            : Blocks{1, kOneRows, generic, generic,
+                     block_generic<W, kOneRows, 1, true>,
+                     block_generic<W, kOneRows, 1, true>};
     return b;
   }
 };
@@ -281,13 +308,68 @@ void panels(const float* x, int64_t M, int64_t K, const W* w, int64_t N,
                   ? panel + (k0 + kAhead) * kLanes
                   : panel + (k0 + kChunk + b * kc / blocks) * kLanes;
           fns[mb](x + (g0 + m0) * K + k0, K, panel + k0 * kLanes, K * kLanes,
-                  kc, tile + m0 * kTile, k0 > 0, ahead, (1 << 16) / blocks);
+                  kc, tile + m0 * kTile, kTile, k0 > 0, ahead,
+                  (1 << 16) / blocks);
           m0 += mb;
         }
       }
       for (int64_t r = 0; r < rows; ++r)
         std::memcpy(y + (g0 + r) * N + n0, tile + r * kTile,
                     cols * sizeof(float));
+    }
+  }
+}
+
+// Rows [0, blocks * mb) of x (row stride ldx) as `blocks` blocks of mb
+// rows, each interleaved k-major: out[b][k][r] = x[b * mb + r][k].
+void pack_rows(const float* x, int64_t ldx, int64_t K, int64_t blocks,
+               int64_t mb, float* out) {
+  for (int64_t b = 0; b < blocks; ++b) {  // written in order: 3x as fast
+    const float* rows = x + b * mb * ldx;
+    float* to = out + b * mb * K;
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t r = 0; r < mb; ++r) to[k * mb + r] = rows[r * ldx + k];
+  }
+}
+
+// Panels [p0, p1) against many rows (a prefill chunk, M > kFewMany): every
+// row reuses the weights, so the time is the FMAs, and the blocking keeps
+// the FMA units fed from the caches. The rows' full blocks come packed
+// (`pack_rows`, done once for all panels: one k's values adjacent, one
+// pointer a block), the last partial block is read in place. Panels go
+// outermost: a block's panels (K x 128 bytes) stay in L2 while every row
+// block passes them, so each weight is read from memory once and the packed
+// rows (M x K floats) from L3. A block runs the whole of K and writes its
+// tile straight into y (a tile whose panels pass N goes through `tile`),
+// while prefetching its share of the next panels.
+template <typename W>
+void panels_many(const float* x, const float* packed, int64_t M, int64_t K,
+                 const W* w, int64_t N, int64_t p0, int64_t p1, float* y) {
+  const Blocks<W>& kn = Blocks<W>::cpu();
+  const int64_t mb = kn.rows, full = M / mb, blocks = full + (M > full * mb);
+  float tile[kWideRows * kTile];
+  for (int64_t p = p0, np; p < p1; p += np) {
+    np = std::min(kn.panels, p1 - p);
+    const W* panel = w + p * K * kLanes;
+    const int64_t n0 = p * kLanes, cols = std::min(np * kLanes, N - n0);
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t m0 = b * mb, rows = std::min(mb, M - m0);
+      const bool direct = cols == np * kLanes;
+      float* out = direct ? y + m0 * N + n0 : tile;
+      const int64_t ldo = direct ? N : kTile;
+      const W* ahead = panel + (np * K + b * K / blocks) * kLanes;
+      const int64_t step = (1 << 16) / blocks;
+      if (b < full)
+        (np > 1 ? kn.packed_wide : kn.packed_one)(
+            packed + m0 * K, 0, panel, K * kLanes, K, out, ldo, false, ahead,
+            step);
+      else
+        (np > 1 ? kn.wide : kn.one)[rows](x + m0 * K, K, panel, K * kLanes, K,
+                                         out, ldo, false, ahead, step);
+      if (!direct)
+        for (int64_t r = 0; r < rows; ++r)
+          std::memcpy(y + (m0 + r) * N + n0, tile + r * kTile,
+                      cols * sizeof(float));
     }
   }
 }
@@ -309,10 +391,30 @@ ffi::Error SmallGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   using W = std::remove_cv_t<std::remove_pointer_t<decltype(wp)>>;
   const int64_t together = Blocks<W>::cpu().panels;  // a block's panels
-  const int64_t chunk =
-      std::max<int64_t>(1, P / (4 * threads * together)) * together;
-  specjax::parallel_for(pool, (P + chunk - 1) / chunk, [&](int64_t c) {
-    panels(xp, M, K, wp, N, c * chunk, std::min(P, (c + 1) * chunk), yp);
+  if (M <= kFewMany) {
+    const int64_t chunk =
+        std::max<int64_t>(1, P / (4 * threads * together)) * together;
+    const int64_t tasks = (P + chunk - 1) / chunk;
+    specjax::parallel_for(pool, tasks, [&](int64_t c) {
+      panels(xp, M, K, wp, N, c * chunk, std::min(P, (c + 1) * chunk), yp);
+    });
+    return ffi::Error::Success();
+  }
+  // The rows' full blocks packed once, by every thread, into this thread's
+  // buffer (kept between calls: it only grows, to the largest M x K seen).
+  static thread_local std::vector<float> packed;
+  const int64_t mb = Blocks<W>::cpu().rows;
+  packed.resize(std::max<int64_t>(packed.size(), M / mb * mb * K));
+  float* pk = packed.data();
+  specjax::parallel_for(pool, M / mb, [&](int64_t b) {
+    pack_rows(xp + b * mb * K, K, K, 1, mb, pk + b * mb * K);
+  });
+  // One block's panels a task: the threads finish within one task's time
+  // of each other (8 tasks of 24 panels left one thread idle for an eighth
+  // of the time at 512 rows).
+  specjax::parallel_for(pool, (P + together - 1) / together, [&](int64_t c) {
+    panels_many(xp, pk, M, K, wp, N, c * together,
+                std::min(P, (c + 1) * together), yp);
   });
   return ffi::Error::Success();
 }

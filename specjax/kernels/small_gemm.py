@@ -1,14 +1,16 @@
-"""``y = x @ W`` for a few rows of ``x`` on the CPU (``small_gemm.cc``).
+"""``y = x @ W`` on the CPU on pre-arranged weights (``small_gemm.cc``).
 
-Decode and verify forwards multiply M = batch x tokens <= 64 rows by weights
-far larger than any cache; XLA CPU's dot runs that shape well below the
-weight-read limit (docs/DESIGN.md, "Why verification costs ~2 forwards
+Decode and verify forwards multiply M = batch x tokens rows, a few, by
+weights far larger than any cache; XLA CPU's dot runs that shape well below
+the weight-read limit (docs/DESIGN.md, "Why verification costs ~2 forwards
 with XLA's ops on a CPU"). The kernel streams each weight once with every
-row's partial sums in registers. The weight must be ``pack``-ed once into
+row's partial sums in registers; past 16 rows (prefill chunks, wide batches)
+it blocks for the FMA units instead, 85-91% of their peak at 128 to 512 rows
+(docs/DESIGN.md, "Prefill"). The weight must be ``pack``-ed once into
 16-column panels (``[ceil(N / 16), K, 16]``), which the kernel reads front
 to back; without the library (``native.available()``) ``small_matmul``
-computes the same product with XLA on the packed layout. Differentiable:
-the kernel computes the forward, its VJP is XLA's product.
+computes the same product with XLA on the packed layout. Differentiable: the
+kernel computes the forward, its VJP is XLA's product.
 """
 
 from __future__ import annotations

@@ -47,7 +47,6 @@ from specjax.models.layers import (PackedWeight, apply_rope, attention,
                                    window_masks)
 from specjax.models.target import ForwardOutput
 
-NATIVE_ATTENTION_MAX_T = 64  # new tokens up to which packed models use it
 
 
 @struct.dataclass
@@ -164,8 +163,8 @@ def pack_params(params: DecoderParams) -> DecoderParams:
   LM head gets its own packed copy of the embedding (V x D more floats); the
   embedding stays as it is for lookups. Packed weights put ``forward`` on
   the native CPU path: the native attention too (full-attention layers
-  without soft-capping), for up to ``NATIVE_ATTENTION_MAX_T`` new tokens,
-  when ``native.available()``."""
+  without soft-capping), for any number of new tokens (a decode step, a
+  verify block or tree, a prefill chunk), when ``native.available()``."""
   if params.embed.dtype != jnp.float32:
     raise ValueError(f"the native matmul is f32; these weights are "
                      f"{params.embed.dtype}")
@@ -314,11 +313,11 @@ def forward(params: DecoderParams, cfg: ModelConfig, tokens_BT: jax.Array,
   masks = _layer_masks(cfg, windows, positions_BT, prefix_B1S, mask_BTT,
                        cache.capacity)
   slots_BT = cache.new_slots(T)
-  # Packed weights mean the native CPU path: its attention too, for decode,
-  # verify and tree widths (prefill's long T stays on XLA's batched dots),
-  # on the layers it computes (no window, no soft-capping).
-  use_native_attention = (is_packed(params) and T <= NATIVE_ATTENTION_MAX_T
-                      and cfg.attn_logit_cap is None and native.available())
+  # Packed weights mean the native CPU path: its attention too (decode,
+  # verify, trees and prefill chunks), on the layers it computes (no window,
+  # no soft-capping).
+  use_native_attention = (is_packed(params) and cfg.attn_logit_cap is None
+                          and native.available())
   tables = _rope_tables(cfg, windows, positions_BT)
 
   H = cfg.head_dim
