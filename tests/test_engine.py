@@ -730,3 +730,21 @@ def test_an_eos_min_new_tokens_masks_is_not_allowed(tiny):
     got, reasons = _decode(params, cfg, "chain", sampling, eos_ids=(eos,),
                            allowed_tokens=only_eos)
     assert got == [[eos]] * len(PROMPTS) and reasons == ["eos"] * 4
+
+
+@pytest.mark.long  # ~1 min: a fresh process prefills 8,081 tokens
+def test_a_long_prompt_prefills_in_bounded_memory():
+  """Invariant: an 8,081-token SmolLM2 prompt (f32, the native path) and 8
+  greedy tokens raise a fresh process's peak RSS by under 1.5 GiB over the
+  loaded model (``benchmarks/prefill_memory.py``): its KV cache is 0.36 GiB
+  and chunks of 512 keep the rest per chunk, where one forward over the
+  prompt took 16.8 GiB more (docs/DESIGN.md, "Shapes and recompilation")."""
+  import json
+  import subprocess
+  import sys
+  run = subprocess.run([sys.executable, "-m", "benchmarks.prefill_memory",
+                        "--lengths", "8081"], capture_output=True, text=True,
+                       timeout=900)
+  out = json.loads(run.stdout.splitlines()[-1])
+  assert out["stop"] in ("length", "eos") and out["new_tokens"] >= 1, out
+  assert out["peak_rss_gib"] - out["after_load_gib"] < 1.5, out

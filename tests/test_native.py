@@ -421,3 +421,47 @@ def test_grad_runs_through_the_kernels_and_keeps_tied_weights_tied():
     return st.tokens, jax.grad(packed_loss)(p)
   _, g2 = rollout_and_grad(params)
   jax.tree.map(close, g2, want)
+
+
+@pytest.mark.parametrize("chunk,lengths", [(8, (7, 8, 9, 16, 17, 1)),
+                                           (80, (79, 80, 81, 160, 161, 1))])
+def test_packed_prefill_in_chunks_gives_one_forwards_logits(chunk, lengths):
+  """Invariants on the native path (packed weights: the many-row matmul
+  past 16 rows, the native attention over chunks, tasks of 16 tokens past
+  64): ragged prompts of lengths around the chunk boundaries, scored chunk
+  by chunk, give each row's last-token logits of one forward over the whole
+  prompt and the same cache below each row's length (1e-5 of their
+  scale); and one packed forward gives the plain (XLA) model's logits."""
+  import dataclasses
+  from specjax import testing
+  from specjax.core import bucketing, engine
+  from specjax.models import decoder
+  cfg = dataclasses.replace(
+      testing.CONFIGS["llama_gqa_tied"], vocab_size=64, dim=64, num_heads=4,
+      num_kv_heads=2, head_dim=16, ffn_dim=96, max_position=512,
+      name="chunks")
+  ones = decoder.random_params(jax.random.key(0), cfg, scale=0.0)
+  leaves, treedef = jax.tree.flatten(ones)
+  keys = jax.random.split(jax.random.key(1), len(leaves))
+  params = jax.tree.unflatten(treedef, [
+      x + 0.2 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
+  rng = np.random.default_rng(chunk)
+  prompt_BT, lens = bucketing.pad_prompts(
+      [rng.integers(3, cfg.vocab_size, n).tolist() for n in lengths])
+  target = decoder.Decoder(cfg)
+
+  def score(p, c):
+    cache = target.init_cache(p, len(lengths), prompt_BT.shape[1])
+    return jax.jit(lambda p: engine._score_prompt(
+        p, target, jnp.asarray(prompt_BT), jnp.asarray(lens), cache, (),
+        c))(p)
+  packed = decoder.pack_params(params)
+  whole, chunked = score(packed, prompt_BT.shape[1]), score(packed, chunk)
+  _assert_close(chunked.logits, whole.logits)
+  _assert_close(whole.logits, score(params, prompt_BT.shape[1]).logits)
+  for layer in range(cfg.num_layers):
+    for row, n in enumerate(lengths):
+      _assert_close(chunked.cache.k[layer][row, :, :, :n],
+                    whole.cache.k[layer][row, :, :, :n])
+      _assert_close(chunked.cache.v[layer][row, :, :n],
+                    whole.cache.v[layer][row, :, :n])
