@@ -12,7 +12,7 @@ from specjax.measure import bench
 CONTRACT = ("method", "dataset", "temperature", "num_prompts", "new_tokens",
             "tau", "acceptance_per_position", "tokens_per_s",
             "ar_tokens_per_s", "speedup", "greedy_identical", "time_split",
-            "config", "head_id", "git_sha")
+            "ttft_ms", "config", "head_id", "git_sha")
 
 
 @pytest.mark.long
@@ -21,7 +21,8 @@ def test_bench_contract_on_smollm2(smollm2):
   every contract field is present; greedy output equals AR; the accepted
   length histogram sums to the verify steps and reproduces the per-position
   acceptance and (up to budget cuts) τ; the time split is a partition of the wall time;
-  each result reaches ``on_result`` as soon as it is measured."""
+  the time to the first token is a part of the run's wall time; each
+  result reaches ``on_result`` as soon as it is measured."""
   prompts = [smollm2.tokenizer.encode_chat(p) for p in
              ("Repeat after me: one two three, one two three.",
               "Count from 1 to 12, separated by commas.")]
@@ -52,6 +53,7 @@ def test_bench_contract_on_smollm2(smollm2):
   assert split["rest_s"] > 0 or sum(split.values()) <= 1.5, split
   assert split["rest_s"] == 0 or abs(sum(split.values()) - 1) < 1e-3, split
   assert res["speedup"] > 0 and res["predicted_speedup"] > 0
+  assert 0 < res["ttft_ms"] < 1e3 * res["new_tokens"] / res["tokens_per_s"]
 
 
 @pytest.mark.long

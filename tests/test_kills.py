@@ -520,7 +520,8 @@ def test_feature_cache_build_killed_at_random_times_resumes(world, tmp_path):
 
 
 _TIMINGS = ("tokens_per_s", "ar_tokens_per_s", "speedup", "predicted_speedup",
-            "speedup_vs_predicted", "time_split", "costs_ms", "git_sha")
+            "speedup_vs_predicted", "time_split", "ttft_ms", "costs_ms",
+            "git_sha")
 
 
 def _records(journal: pathlib.Path) -> dict:

@@ -115,6 +115,33 @@ def test_workload_validation():
     tuner.Workload(task="poetry")
   with pytest.raises(ValueError, match="temperature"):
     tuner.Workload(temperature=-1)
+  with pytest.raises(ValueError, match="new tokens >= 1"):
+    tuner.Workload(prompt_tokens=-1)
+  with pytest.raises(ValueError, match="new tokens >= 1"):
+    tuner.Workload(new_tokens=0)
+
+
+def test_a_prefill_is_counted_in_the_requests_speedup(priors):
+  """Invariants: with a measured prefill the recommendation gives its time
+  to first token and the request's speedup (prefill + n AR steps over
+  prefill + n steps at the decode speedup), which lies between 1 and the
+  decode speedup and falls as the prefill grows; without one, neither."""
+  import dataclasses
+  plain = tuner.recommend(tuner.Workload(), FLAT, methods=("ngram",))
+  assert plain.ttft_ms is None and plain.speedup_with_prefill is None
+  gains = []
+  for seconds in (0.5, 5.0):
+    curve = dataclasses.replace(FLAT, prefill=(2000, seconds))
+    rec = tuner.recommend(tuner.Workload(prompt_tokens=2000, new_tokens=100),
+                          curve, methods=("ngram",))
+    assert rec.ttft_ms == pytest.approx(seconds * 1e3)
+    steps = seconds / curve.ar_step
+    want = (steps + 100) / (steps + 100 / rec.expected_speedup)
+    assert rec.speedup_with_prefill == pytest.approx(want)
+    assert 1 < rec.speedup_with_prefill < rec.expected_speedup
+    assert any("2000 prompt tokens" in line for line in rec.reasoning)
+    gains.append(rec.speedup_with_prefill)
+  assert gains[0] > gains[1]
 
 
 def _with_wide(curve, per_token):
@@ -166,7 +193,8 @@ def test_tree_is_sized_by_the_verify_curve(monkeypatch):
 @pytest.mark.long
 def test_measure_costs_times_the_tree_widths(tmp_path):
   """Invariant: the measured curve has every chain width 1..K_MAX + 1 and
-  the tree widths, all positive, on a tiny model."""
+  the tree widths, all positive, on a tiny model; and the prefill of a
+  request's prompt when asked."""
   from specjax.models.registry import Model
   from specjax import testing
   cfg, params = testing.tiny("llama_gqa_tied", seed=1)
@@ -176,3 +204,8 @@ def test_measure_costs_times_the_tree_widths(tmp_path):
   assert [t for t, _ in costs.wide] == list(tuner.TREE_WIDTHS)
   assert min(costs.forward[1:]) > 0 and min(s for _, s in costs.wide) > 0
   assert costs.forward_at(tuner.TREE_WIDTHS[-1]) == costs.wide[-1][1]
+  assert costs.prefill is None
+  costs = tuner.measure_costs(Model(target=Decoder(cfg), params=params, tokenizer=None),
+                              1, progress=False, context=40, rounds=1,
+                              prompt_tokens=30, new_tokens=8)
+  assert costs.prefill[0] == 30 and costs.prefill[1] > 0

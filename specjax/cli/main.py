@@ -104,6 +104,11 @@ def _build_parser() -> argparse.ArgumentParser:
   t.add_argument("--temperature", type=float, default=0.0)
   t.add_argument("--latency-target", type=float, default=None,
                  help="wanted milliseconds per token per row")
+  t.add_argument("--prompt-tokens", type=int, default=0,
+                 help="a request's prompt length: time its prefill (the "
+                      "time to first token) and count it in the speedup")
+  t.add_argument("--new-tokens", type=int, default=256,
+                 help="a request's new tokens (with --prompt-tokens)")
   t.add_argument("--json", action="store_true", help="print JSON")
 
   tr = sub.add_parser(
@@ -615,11 +620,20 @@ def cmd_tune(args) -> int:
   try:
     workload = tuner.Workload(batch_size=args.batch_size, task=args.task,
                               temperature=args.temperature,
-                              latency_target_ms=args.latency_target)
+                              latency_target_ms=args.latency_target,
+                              prompt_tokens=args.prompt_tokens,
+                              new_tokens=args.new_tokens)
   except ValueError as e:
     raise UsageError(str(e)) from None
   model = _load(args.model)
-  costs = tuner.measure_costs(model, workload.batch_size)
+  context = model.config.max_position
+  if workload.prompt_tokens + workload.new_tokens > context:
+    raise UsageError(f"--prompt-tokens {workload.prompt_tokens} and "
+                     f"--new-tokens {workload.new_tokens} run past the "
+                     f"model's context of {context} tokens")
+  costs = tuner.measure_costs(model, workload.batch_size,
+                              prompt_tokens=workload.prompt_tokens,
+                              new_tokens=workload.new_tokens)
   rec = tuner.recommend(workload, costs)
   tree = tuner.recommend_tree(workload, costs)
   if args.json:

@@ -18,6 +18,8 @@ Definitions (aggregated over all rows):
     same depth and rank every step).
   wide_verify_fraction: steps whose target forward covered all K + 1 tokens;
     in the others no row had drafted and the newest token was scored alone.
+  ttft_ms: time to the first token of the first batch (its prefill and first
+    sample, at its prompt bucket); tokens_per_s counts the prefill in.
   time_split: the method's wall time attributed to drafting, verifying and
     the rest (sampling, bookkeeping, loop), from per-component timings of
     the jitted propose and verify forward at the run's own shapes.
@@ -56,6 +58,7 @@ class Costs:
   target_1: float   # target forward over [B, 1] (an AR step's forward)
   verify: float     # target forward over [B, K + 1]
   draft: float      # one drafter.propose of K drafts
+  prefill: float = 0.0  # the batch's prefill and first sample: its TTFT
 
   def step_s(self, wide_fraction: float = 1.0) -> float:
     """Forward + draft seconds of a speculative step when ``wide_fraction``
@@ -85,13 +88,15 @@ def median_time(fn: Callable[[], object], repeats: int = 5) -> float:
 def measure_costs(model: Model, prompts: Sequence[Sequence[int]],
                   dcfg: engine.DecodeConfig, drafter_params,
                   repeats: int = 5) -> Costs:
-  """Times the pieces of one speculative step on a real post-prefill state."""
+  """Times the prefill (the time to the first token) and the pieces of one
+  speculative step on the real post-prefill state."""
   prompt_BT, lengths = bucketing.pad_prompts(prompts,
                                              model.tokenizer.pad_id or 0)
-  state = engine.prefill_jit(model.params, prompt_BT, lengths,
-                             jax.random.key(0), np.int32(1),
-                             target=model.target, dcfg=dcfg,
-                             drafter_params=drafter_params)
+  prefill = lambda: engine.prefill_jit(
+      model.params, prompt_BT, lengths, jax.random.key(0), np.int32(1),
+      target=model.target, dcfg=dcfg, drafter_params=drafter_params)
+  prefill_s = median_time(prefill, repeats)
+  state = prefill()
   K, width = dcfg.k, dcfg.block
   fwd = jax.jit(lambda p, t, c: model.target.forward(p, t, c).logits)
   target_1 = median_time(
@@ -108,7 +113,8 @@ def measure_costs(model: Model, prompts: Sequence[Sequence[int]],
         drafter_params, state.drafter_state, state.context,
         jax.random.key(1), state.sampler(dcfg, model.config.vocab_size)),
         repeats)
-  return Costs(target_1=target_1, verify=verify, draft=draft)
+  return Costs(target_1=target_1, verify=verify, draft=draft,
+               prefill=prefill_s)
 
 
 @dataclasses.dataclass
@@ -311,6 +317,7 @@ def run(model: Model, methods_: Sequence[methods.MethodSpec | tuple],
         rows_differing_from_ar=(identical.count(False) if sampling.greedy
                                 else None),
         time_split={k: round(v / wall, 4) for k, v in split.items()},
+        ttft_ms=round(costs.prefill * 1e3, 3),
         costs_ms=dict(target_forward_1=round(costs.target_1 * 1e3, 3),
                       verify_forward=round(costs.verify * 1e3, 3),
                       draft=round(costs.draft * 1e3, 3),

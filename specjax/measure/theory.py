@@ -48,6 +48,16 @@ def speedup(alpha: float, k: int, c: float,
   return 1.0 / time_per_token(alpha, k, c, verify_cost)
 
 
+def with_prefill(speedup_: float, prefill: float, new_tokens: int) -> float:
+  """The speedup of a whole request: a prefill of ``prefill`` AR steps
+  (paid alike by AR and the method) then ``new_tokens`` tokens, decoded
+  ``speedup_`` times as fast: (prefill + n) / (prefill + n / speedup)."""
+  if new_tokens < 1 or prefill < 0 or speedup_ <= 0:
+    raise ValueError(f"want new_tokens >= 1, prefill >= 0, speedup > 0; got "
+                     f"{new_tokens}, {prefill}, {speedup_}")
+  return (prefill + new_tokens) / (prefill + new_tokens / speedup_)
+
+
 @dataclasses.dataclass(frozen=True)
 class Optimum:
   k: int

@@ -86,11 +86,15 @@ BORROW = {
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
-  """What the user runs. ``latency_target_ms``: wanted ms per token per row."""
+  """What the user runs. ``latency_target_ms``: wanted ms per token per row;
+  ``prompt_tokens`` (0: not considered) and ``new_tokens``: a request's
+  length, for its time to first token and its speedup with the prefill."""
   batch_size: int = 1
   task: str = "chat"
   temperature: float = 0.0
   latency_target_ms: Optional[float] = None
+  prompt_tokens: int = 0
+  new_tokens: int = 256
 
   def __post_init__(self):
     if self.task not in TASKS:
@@ -101,6 +105,9 @@ class Workload:
     if not 0 <= self.temperature <= 2:
       raise ValueError(f"temperature must be in [0, 2], got "
                        f"{self.temperature}")
+    if self.prompt_tokens < 0 or self.new_tokens < 1:
+      raise ValueError(f"want prompt tokens >= 0 and new tokens >= 1, got "
+                       f"{self.prompt_tokens} and {self.new_tokens}")
     if self.latency_target_ms is not None and not (
         0 < self.latency_target_ms < math.inf):
       raise ValueError(f"latency target must be > 0 ms per token, got "
@@ -117,11 +124,14 @@ class CostCurve:
     rest: the rest of an AR step (sampling, bookkeeping, loop).
     num_layers: L, for layer-skip draft costs.
     wide: ``(t, seconds)`` forwards over more tokens (``TREE_WIDTHS``).
+    prefill: ``(prompt tokens, seconds)`` of a prefill and its first
+      sample (the time to first token), or None (not measured).
   """
   forward: tuple[float, ...]
   rest: float
   num_layers: int
   wide: tuple[tuple[int, float], ...] = ()
+  prefill: Optional[tuple[int, float]] = None
 
   def forward_at(self, t: int) -> float:
     """A forward over t tokens: measured, or linear between the measured
@@ -171,18 +181,24 @@ class Recommendation:
   meets_latency_target: Optional[bool]
   reasoning: list[str]
   options: list[Option]
+  ttft_ms: Optional[float] = None
+  speedup_with_prefill: Optional[float] = None
 
   def as_dict(self) -> dict:
     return dataclasses.asdict(self)
 
 
 def measure_costs(model: "Model", batch_size: int, progress: bool = True,
-                  context: int = 256, rounds: int = 9) -> CostCurve:
+                  context: int = 256, rounds: int = 9,
+                  prompt_tokens: int = 0, new_tokens: int = 256
+                  ) -> CostCurve:
   """Times target forwards over 1..K_MAX + 1 tokens and a full AR step.
 
   The shapes are timed round-robin (one call each per round, median over
   rounds), so machine-speed drift hits every point of the curve alike; timed
-  one after the other, v(K) moved by ±30% between runs on this VM.
+  one after the other, v(K) moved by ±30% between runs on this VM. With
+  ``prompt_tokens``, also a prefill of that many tokens per row in the
+  program of a request for ``new_tokens`` (``CostCurve.prefill``).
   """
   import time
 
@@ -219,7 +235,26 @@ def measure_costs(model: "Model", batch_size: int, progress: bool = True,
   forward, ar_step = [0.0] + med[:n], med[-1]
   return CostCurve(forward=tuple(forward), rest=max(ar_step - forward[1], 0.0),
                    num_layers=target.config.num_layers,
-                   wide=tuple(zip(TREE_WIDTHS, med[n:-1])))
+                   wide=tuple(zip(TREE_WIDTHS, med[n:-1])),
+                   prefill=(prompt_tokens, _prefill_s(
+                       model, B, prompt_tokens, new_tokens, min(rounds, 3)))
+                   if prompt_tokens else None)
+
+
+def _prefill_s(model: "Model", B: int, prompt_tokens: int, new_tokens: int,
+               rounds: int) -> float:
+  """Median seconds of a prefill of ``prompt_tokens`` per row and its first
+  sample, in the program the runner builds for that request (AR)."""
+  from specjax.core import bucketing, engine, runner
+  from specjax.core.sampling import SamplingParams
+  from specjax.measure.bench import median_time
+  Tp = bucketing.bucket_length(prompt_tokens)
+  dcfg = runner.decode_config(model, Tp, new_tokens, SamplingParams())
+  prompt_BT = np.ones((B, Tp), np.int32)
+  lengths = np.full((B,), prompt_tokens, np.int32)
+  return median_time(lambda: engine.prefill_jit(
+      model.params, prompt_BT, lengths, jax.random.key(0), np.int32(1),
+      target=model.target, dcfg=dcfg), rounds)
 
 
 def _measured_task(method: str, task: str) -> tuple[str, str]:
@@ -300,6 +335,17 @@ def recommend(workload: Workload, costs: CostCurve, methods=None,
     method, k, gain, ms = (top.method, top.num_draft, top.speedup,
                            top.ms_per_token)
     reasoning.append(f"Pick {method} with K={k}: {gain:.2f}x predicted.")
+  ttft_ms = whole = None
+  if costs.prefill and workload.prompt_tokens:
+    tokens, seconds = costs.prefill
+    ttft_ms = seconds * 1e3
+    whole = theory.with_prefill(gain, seconds / costs.ar_step,
+                                workload.new_tokens)
+    reasoning.append(
+        f"Prefill of {tokens} prompt tokens: {ttft_ms:.0f} ms to the first "
+        f"token ({seconds / costs.ar_step:.0f} AR steps), paid alike by AR "
+        f"and {method}: over {workload.new_tokens} new tokens the request "
+        f"runs {whole:.2f}x AR's.")
   meets = None
   if workload.latency_target_ms is not None:
     meets = ms <= workload.latency_target_ms
@@ -310,7 +356,8 @@ def recommend(workload: Workload, costs: CostCurve, methods=None,
   return Recommendation(method=method, num_draft=k, expected_speedup=gain,
                         ms_per_token=ms, ar_ms_per_token=ar_ms,
                         meets_latency_target=meets, reasoning=reasoning,
-                        options=options)
+                        options=options, ttft_ms=ttft_ms,
+                        speedup_with_prefill=whole)
 
 
 @dataclasses.dataclass
