@@ -5,12 +5,12 @@ weights far larger than any cache; XLA CPU's dot runs that shape well below
 the weight-read limit (docs/DESIGN.md, "Why verification costs ~2 forwards
 with XLA's ops on a CPU"). The kernel streams each weight once with every
 row's partial sums in registers; past 16 rows (prefill chunks, wide batches)
-it blocks for the FMA units instead, 85-91% of their peak at 128 to 512 rows
-(docs/DESIGN.md, "Prefill"). The weight must be ``pack``-ed once into
-16-column panels (``[ceil(N / 16), K, 16]``), which the kernel reads front
-to back; without the library (``native.available()``) ``small_matmul``
-computes the same product with XLA on the packed layout. Differentiable: the
-kernel computes the forward, its VJP is XLA's product.
+it blocks for the FMA units instead, 74-93% of their peak at 128 to 512 rows
+(docs/DESIGN.md, "Prefill on the native path"). The weight must be
+``pack``-ed once into 16-column panels (``[ceil(N / 16), K, 16]``), which
+the kernel reads front to back; without the library (``native.available()``)
+``small_matmul`` computes the same product with XLA on the packed layout.
+Differentiable: the kernel computes the forward, its VJP is XLA's product.
 """
 
 from __future__ import annotations
