@@ -409,9 +409,8 @@ ffi::Error SmallGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   specjax::parallel_for(pool, M / mb, [&](int64_t b) {
     pack_rows(xp + b * mb * K, K, K, 1, mb, pk + b * mb * K);
   });
-  // One block's panels a task: the threads finish within one task's time
-  // of each other (8 tasks of 24 panels left one thread idle for an eighth
-  // of the time at 512 rows).
+  // One block's panels a task, so that the threads finish within one small
+  // task's time of each other.
   specjax::parallel_for(pool, (P + together - 1) / together, [&](int64_t c) {
     panels_many(xp, pk, M, K, wp, N, c * together,
                 std::min(P, (c + 1) * together), yp);
