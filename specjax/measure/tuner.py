@@ -250,6 +250,7 @@ def _prefill_s(model: "Model", B: int, prompt_tokens: int, new_tokens: int,
   from specjax.measure.bench import median_time
   Tp = bucketing.bucket_length(prompt_tokens)
   dcfg = runner.decode_config(model, Tp, new_tokens, SamplingParams())
+  runner.check_memory(model, B, dcfg.capacity, Tp)
   prompt_BT = np.ones((B, Tp), np.int32)
   lengths = np.full((B,), prompt_tokens, np.int32)
   return median_time(lambda: engine.prefill_jit(
