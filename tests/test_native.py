@@ -118,13 +118,14 @@ def test_isa_is_the_widest_the_cpu_has_unless_capped():
 def test_narrower_variants_give_the_same_products(cap):
   """Invariant: capped to AVX2 (or plain C++) on a wider CPU, the kernels'
   tests above all hold: the matmul for every row count and shape, bf16
-  panels, attention over ragged caches and tree masks (a pytest run in a
-  process with SPECJAX_NATIVE_ISA set, whose isa test checks the cap)."""
+  panels, attention over ragged caches and tree masks, prefill chunks (a
+  pytest run in a process with SPECJAX_NATIVE_ISA set, whose isa test
+  checks the cap)."""
   import os
   import subprocess
   import sys
   tests = ("isa_is_the_widest or small_matmul_equals_xla or bf16_panels or "
-           "attention_equals_xla or prefill_chunk")
+           "attention_equals_xla or prefill_chunk or prefill_in_chunks")
   run = subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
        __file__, "-k", tests], capture_output=True, text=True,
