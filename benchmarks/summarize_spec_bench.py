@@ -23,7 +23,8 @@ import pathlib
 import statistics
 import sys
 
-TASK_OF = {"mtbench": "chat", "humaneval": "code", "sharegpt": "chat"}
+TASK_OF = {"mtbench": "chat", "humaneval": "code", "sharegpt": "chat",
+           "longdoc": "summarize"}
 
 
 def alpha_from_tau(tau: float, k: int) -> float:

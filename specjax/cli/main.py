@@ -81,7 +81,8 @@ def _build_parser() -> argparse.ArgumentParser:
   b = sub.add_parser("bench", help="speculative vs AR on a dataset, one run")
   _add_model_args(b, several=True)
   b.add_argument("--dataset", default="mtbench",
-                 help="mtbench, humaneval, sharegpt or a FILE.jsonl")
+                 help="mtbench, humaneval, sharegpt, longdoc (tasks over long "
+                      "passages) or a FILE.jsonl")
   b.add_argument("--num-prompts", type=int, default=None,
                  help="first N prompts (default: all)")
   b.add_argument("--max-new-tokens", type=int, default=128)
