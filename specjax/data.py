@@ -61,9 +61,9 @@ def longdoc_prompts(limit: Optional[int] = None) -> list[str]:
   seen = set()  # the file repeats some conversations
   answers = (seen.add(t) or t for c in sharegpt_conversations() for r, t in c
              if r == "assistant" and lo <= len(t) <= hi and t not in seen)
-  summarize = ("Summarize the following text in a few sentences.\n\n{}",
-               "Read the text below, then list its three main points, "
-               "quoting it where you can.\n\n{}")
+  on_answers = ("Summarize the following text in a few sentences.\n\n{}",
+                "Read the text below, then list its three main points, "
+                "quoting it where you can.\n\n{}")
   files, current = [], ""
   path = wheel_file(*HUMANEVAL)
   for row in _jsonl(gzip.decompress(path.read_bytes()).decode("utf-8"), path):
@@ -78,8 +78,8 @@ def longdoc_prompts(limit: Optional[int] = None) -> list[str]:
   rows = min(len(code), limit if limit is not None else len(code))
   prompts = []
   for i in range(rows):
-    prompts += [summarize[0].format(next(answers)),
-                summarize[1].format(next(answers)), code[i]]
+    prompts += [on_answers[0].format(next(answers)),
+                on_answers[1].format(next(answers)), code[i]]
   return prompts[:limit] if limit is not None else prompts
 
 
