@@ -30,15 +30,6 @@ import sys
 import numpy as np
 
 
-def specjax_call(model):
-  from specjax.core import runner
-
-  def call(ids):
-    res = runner.generate_ids(model, [ids], max_new_tokens=1)
-    return res.rows[0].output_ids, res.wall_s
-  return call
-
-
 def llama_call(max_len: int):
   from benchmarks import bench_peers
   from specjax import assets
@@ -71,18 +62,20 @@ def main(argv=None) -> int:
   from specjax.measure.bench import git_sha
   from specjax.models.registry import load_model
   lengths = [int(n) for n in args.lengths.split(",")]
+  # The peak first, before any engine's threads exist.
+  head = dict(machine=machine(), git_sha=git_sha(), isa=native.isa(),
+              fma_peak_gflops=round(peak_gflops(native.isa()), 1))
   plain = load_model("smollm2-135m", native=False)
   context = plain.config.max_position
   if not all(0 < n < context for n in lengths):
     raise SystemExit(f"prefill: error: lengths must be in [1, {context - 1}] "
                      f"(the prompt and its one new token fit the context)")
-  engines = {"specjax": specjax_call(load_model("smollm2-135m")),
-             "specjax_xla": specjax_call(plain)}
+  from benchmarks.bench_peers import specjax_engine
+  engines = {"specjax": specjax_engine(load_model("smollm2-135m"), [], 1)["ar"],
+             "specjax_xla": specjax_engine(plain, [], 1)["ar"]}
   llama = llama_call(max(lengths))
   if llama is not None:
     engines["llama_f32"] = llama
-  head = dict(machine=machine(), git_sha=git_sha(), isa=native.isa(),
-              fma_peak_gflops=round(peak_gflops(native.isa()), 1))
   per_token, head_weights = matmul_weights(plain.params)
   rng = np.random.default_rng(0)
   for n in lengths:
