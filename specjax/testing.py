@@ -39,10 +39,16 @@ def tiny(name: str = "llama_gqa_tied", seed: int = 0
   its greedy output wanders and repeats, so drafts are both accepted and
   rejected."""
   cfg = CONFIGS[name]
+  return cfg, tiny_params(cfg, seed)
+
+
+def tiny_params(cfg: ModelConfig, seed: int = 0) -> decoder.DecoderParams:
+  """``tiny``'s parameters for any config: weights and biases normal(0,
+  0.2), norms 1 + normal(0, 0.2)."""
   ones = decoder.random_params(jax.random.key(seed), cfg, scale=0.0)
   leaves, treedef = jax.tree.flatten(ones)  # zero weights, unit norms
   keys = jax.random.split(jax.random.key(seed), len(leaves))
-  return cfg, jax.tree.unflatten(treedef, [
+  return jax.tree.unflatten(treedef, [
       x + 0.2 * jax.random.normal(k, x.shape, x.dtype)
       for x, k in zip(leaves, keys)])
 

@@ -441,11 +441,7 @@ def test_packed_prefill_in_chunks_gives_one_forwards_logits(chunk, lengths):
       testing.CONFIGS["llama_gqa_tied"], vocab_size=64, dim=64, num_heads=4,
       num_kv_heads=2, head_dim=16, ffn_dim=96, max_position=512,
       name="chunks")
-  ones = decoder.random_params(jax.random.key(0), cfg, scale=0.0)
-  leaves, treedef = jax.tree.flatten(ones)
-  keys = jax.random.split(jax.random.key(1), len(leaves))
-  params = jax.tree.unflatten(treedef, [
-      x + 0.2 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
+  params = testing.tiny_params(cfg, seed=1)
   rng = np.random.default_rng(chunk)
   prompt_BT, lens = bucketing.pad_prompts(
       [rng.integers(3, cfg.vocab_size, n).tolist() for n in lengths])
