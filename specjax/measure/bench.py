@@ -85,6 +85,15 @@ def median_time(fn: Callable[[], object], repeats: int = 5) -> float:
   return statistics.median(times)
 
 
+def prefill_call(model: Model, prompt_BT, lengths, dcfg: engine.DecodeConfig,
+                 drafter_params=None) -> Callable[[], engine.DecodeState]:
+  """A call of the prefill and its first sample (the time to first token)
+  on these padded prompts, for ``median_time``."""
+  return lambda: engine.prefill_jit(
+      model.params, prompt_BT, lengths, jax.random.key(0), np.int32(1),
+      target=model.target, dcfg=dcfg, drafter_params=drafter_params)
+
+
 def measure_costs(model: Model, prompts: Sequence[Sequence[int]],
                   dcfg: engine.DecodeConfig, drafter_params,
                   repeats: int = 5) -> Costs:
@@ -92,9 +101,7 @@ def measure_costs(model: Model, prompts: Sequence[Sequence[int]],
   speculative step on the real post-prefill state."""
   prompt_BT, lengths = bucketing.pad_prompts(prompts,
                                              model.tokenizer.pad_id or 0)
-  prefill = lambda: engine.prefill_jit(
-      model.params, prompt_BT, lengths, jax.random.key(0), np.int32(1),
-      target=model.target, dcfg=dcfg, drafter_params=drafter_params)
+  prefill = prefill_call(model, prompt_BT, lengths, dcfg, drafter_params)
   prefill_s = median_time(prefill, repeats)
   state = prefill()
   K, width = dcfg.k, dcfg.block

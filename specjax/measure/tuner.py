@@ -245,17 +245,15 @@ def _prefill_s(model: "Model", B: int, prompt_tokens: int, new_tokens: int,
                rounds: int) -> float:
   """Median seconds of a prefill of ``prompt_tokens`` per row and its first
   sample, in the program the runner builds for that request (AR)."""
-  from specjax.core import bucketing, engine, runner
+  from specjax.core import bucketing, runner
   from specjax.core.sampling import SamplingParams
-  from specjax.measure.bench import median_time
+  from specjax.measure.bench import median_time, prefill_call
   Tp = bucketing.bucket_length(prompt_tokens)
   dcfg = runner.decode_config(model, Tp, new_tokens, SamplingParams())
   runner.check_memory(model, B, dcfg.capacity, Tp)
-  prompt_BT = np.ones((B, Tp), np.int32)
-  lengths = np.full((B,), prompt_tokens, np.int32)
-  return median_time(lambda: engine.prefill_jit(
-      model.params, prompt_BT, lengths, jax.random.key(0), np.int32(1),
-      target=model.target, dcfg=dcfg), rounds)
+  return median_time(prefill_call(
+      model, np.ones((B, Tp), np.int32),
+      np.full((B,), prompt_tokens, np.int32), dcfg), rounds)
 
 
 def _measured_task(method: str, task: str) -> tuple[str, str]:
