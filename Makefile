@@ -29,6 +29,13 @@ CONVERTER := $(VENV)/llama.cpp/convert_hf_to_gguf.py
 LLAMACPP := $(VENV)/.llamacpp
 LLAMACPP_CMAKE := -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF \
   -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF
+# It builds for the host (-march=native) but without Intel AMX: a VM can
+# list AMX among the CPU's flags without letting a process use its tiles,
+# and llama.cpp's first matmul then dies of an illegal instruction (seen on
+# a Xeon, family 6 model 207). Rebuilt from source (no cached wheel) on
+# every install, so a fix here reaches an existing venv.
+LLAMACPP_FLAGS := $(if $(filter x86_64,$(shell uname -m)),\
+  -mno-amx-tile -mno-amx-int8 -mno-amx-bf16)
 
 # Tunix (google-tunix 0.1.7), for the long stage's rollout-engine tests
 # (tests/test_tunix.py). --no-deps: its own pins would downgrade transformers
@@ -78,8 +85,10 @@ $(CONVERTER): $(STAMP) tests/fetch_converter.py
 	touch $@
 
 $(LLAMACPP): $(STAMP)
+	$(BIN)/pip uninstall -q -y llama-cpp-python 2>/dev/null || true
 	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) CMAKE_ARGS="$(LLAMACPP_CMAKE)" \
-	  $(BIN)/pip install -q --no-binary llama-cpp-python \
+	  CFLAGS="$(LLAMACPP_FLAGS)" CXXFLAGS="$(LLAMACPP_FLAGS)" \
+	  $(BIN)/pip install -q --no-cache-dir --no-binary llama-cpp-python \
 	  llama-cpp-python==$(LLAMACPP_VERSION)
 	touch $@
 
