@@ -12,7 +12,10 @@ tree's is that of a chain of its K; later files win on the same method, task
 and temperature), and for each drafter with a per-token cost (a trained
 head), a drafted token's cost in one-token target forwards (median over its
 rows in the last file that has any: costs fall as the code gets faster,
-unlike acceptance).
+unlike acceptance). Lookahead and CLaSp rows (``WHOLE``: no α model fits a
+step that scores a window beside a trie, nor a draft whose cost includes
+choosing its layers) are written whole, one per configuration: its τ, the
+tokens its verify forward scores and its drafting's cost.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import sys
 
 TASK_OF = {"mtbench": "chat", "humaneval": "code", "sharegpt": "chat",
            "longdoc": "summarize"}
+WHOLE = ("lookahead", "clasp")  # the tuner scores them per configuration
 
 
 def alpha_from_tau(tau: float, k: int) -> float:
@@ -82,6 +86,19 @@ def main(argv=None) -> int:
   if args.priors:
     fixed = [r for r in rows if not (r.get("config") or {}).get("min_confidence")
              and not r.get("tree_nodes")]  # trees: tree_rank_acceptance.py
+    configs = {}
+    for r in rows:
+      if r["method"] in WHOLE:
+        from specjax.drafters.methods import MethodSpec
+        spec = MethodSpec(**r["config"]).text()
+        task = TASK_OF.get(r["dataset"], "chat")
+        c = r["costs_ms"]
+        configs[spec, task, r["temperature"]] = dict(
+            method=r["method"], spec=spec, task=task,
+            temperature=r["temperature"], k=r["num_draft"], tau=r["tau"],
+            verify_width=r["verify_width"],
+            draft_cost=round(c["draft"] / c["target_forward_1"], 4),
+            git_sha=r["git_sha"])
     priors = {}
     for r in fixed:
       task = TASK_OF.get(r["dataset"], "chat")
@@ -105,11 +122,11 @@ def main(argv=None) -> int:
     kept = {}  # what other scripts wrote (tree_rank_acceptance.py's table)
     if path.is_file():
       kept = {k: v for k, v in json.loads(path.read_text()).items()
-              if k not in ("source", "priors", "draft_costs")}
+              if k not in ("source", "priors", "draft_costs", "configs")}
     with open(path, "w") as f:
       json.dump(dict(source=f"specjax bench ({', '.join(args.jsonl)})",
-                     priors=list(priors.values()), draft_costs=costs, **kept),
-                f, indent=1)
+                     priors=list(priors.values()), draft_costs=costs,
+                     configs=list(configs.values()), **kept), f, indent=1)
     print(f"wrote {len(priors)} priors to {args.priors}", file=sys.stderr)
   return 0
 

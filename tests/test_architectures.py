@@ -30,14 +30,15 @@ ARCHS = sorted(ARCH_CONFIGS)
 # Every drafter against transformers' greedy output on every architecture.
 # The fast stage runs all of them on Gemma 2, and on Mistral and Qwen3 the
 # drafters whose target side differs (features, trees, heads, a second
-# model of the architecture, a layer subset); the long stage the rest.
+# model of the architecture, a layer subset, lookahead's window beside a
+# tree, CLaSp's layers skipped at run time); the long stage the rest.
 FAST = "gemma2_softcap"
-DRAFTERS = ("ngram", "ngram_trie", "lookup_trie", "eagle3", "eagle3_tree",
-            "eagle3_static_2x2", "eagle3_tree+lookup", "eagle1", "medusa",
-            "medusa_static_2x2x1", "layerskip", "draft_model", "mtp",
-            "mtp_tree")
+DRAFTERS = ("ngram", "ngram_trie", "lookup_trie", "lookahead", "eagle3",
+            "eagle3_tree", "eagle3_static_2x2", "eagle3_tree+lookup",
+            "eagle1", "medusa", "medusa_static_2x2x1", "layerskip", "clasp",
+            "draft_model", "mtp", "mtp_tree")
 CORE = ("eagle3", "eagle3_tree", "medusa_static_2x2x1", "draft_model",
-        "layerskip", "mtp")
+        "layerskip", "mtp", "lookahead", "clasp")
 DRAFTER_RUNS = [pytest.param(FAST, None, id=f"{FAST}-all")] + [
     run for arch in ARCHS if arch != FAST for run in (
         pytest.param(arch, "core", id=f"{arch}-core", marks=() if arch in (
@@ -189,7 +190,8 @@ def every_drafter(target, params, draft=None, names=None):
   EAGLE-1, Medusa) over the full vocabulary, a datastore of random streams;
   ``draft``: a draft model's ``(target, params)``."""
   from specjax.core import tree
-  from specjax.drafters import (DraftModelDrafter, LayerSkipDrafter,
+  from specjax.drafters import (ClaspDrafter, DraftModelDrafter,
+                                LayerSkipDrafter, LookaheadDrafter,
                                 LookupDrafter, NGramDrafter)
   from specjax.drafters.eagle import EagleDrafter, EagleParams
   from specjax.drafters.medusa import MedusaDrafter, MedusaParams
@@ -234,6 +236,8 @@ def every_drafter(target, params, draft=None, names=None):
       "ngram": lambda: entry((NGramDrafter(), None), 4),
       "ngram_trie": lambda: entry((NGramDrafter(num_paths=3), None), 4, 8),
       "lookup_trie": lambda: entry((LookupDrafter(), store()), 4, 6),
+      "lookahead": lambda: entry((LookaheadDrafter(window=3, width=2), None),
+                                 3, 6),
       "eagle3": lambda: entry(eagle(), 3),
       "eagle3_tree": lambda: entry(eagle(tree_width=2), 3, 6),
       "eagle3_static_2x2": lambda: entry(eagle(tree_shape=static("2x2")), 3, 6),
@@ -246,6 +250,8 @@ def every_drafter(target, params, draft=None, names=None):
           medusa(tree_shape=static("2x2x1")), 3, 10),
       "layerskip": lambda: entry(
           (LayerSkipDrafter.from_target(target, 1), params), 3),
+      "clasp": lambda: entry(
+          (ClaspDrafter.from_target(target, max(1, L // 2)), params), 3),
   }
   if draft is not None:
     build["draft_model"] = lambda: entry(
@@ -257,7 +263,7 @@ def every_drafter(target, params, draft=None, names=None):
 @pytest.mark.parametrize("arch,which", DRAFTER_RUNS, indirect=["arch"])
 def test_every_drafter_greedy_equals_transformers(arch, which, tmp_path):
   """Invariant: at T = 0 on a ragged batch, every drafter (n-gram chain
-  and trie, the n-gram/retrieval trie, untrained EAGLE-3
+  and trie, the n-gram/retrieval trie, lookahead, CLaSp, untrained EAGLE-3
   chain, dynamic and static trees and tree + lookup trie, EAGLE-1, MTP and
   Medusa chains, an MTP dynamic tree, a Medusa static tree, layer-skip, and a draft model of the
   same architecture with other weights) emit transformers'

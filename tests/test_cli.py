@@ -462,7 +462,8 @@ def test_non_finite_logits_say_so_and_exit_1(capsys, tmp_path):
 def test_methods_take_their_own_knobs_on_the_command_line(capsys):
   """Invariants: ``bench --method`` repeats and splits on commas, each
   method with knobs of its own in the library's grammar and the flags
-  filling the knobs it does not set; a knob set by both a flag and a
+  filling the knobs it does not set (a knob with no flag, too); a knob
+  set by both a flag and a
   method's text is one line naming both; ``--help`` lists every key of
   the grammar with the flag that sets it."""
   from specjax.cli.main import _FLAGS, UsageError, _build_parser, _method_specs
@@ -479,6 +480,12 @@ def test_methods_take_their_own_knobs_on_the_command_line(capsys):
       "eagle3:nodes=7:k=4,ngram", "--tree-width", "2"])
   assert [s.text() for s in _method_specs(args)] == [
       "eagle3:k=7:width=2", "eagle3:nodes=7:width=2", "ngram:width=2"]
+  # Knobs only the grammar sets (no flag) pass through.
+  args = _build_parser().parse_args([
+      "bench", "--method", "lookahead:k=3:window=5,ngram+retrieval:"
+      "conversations=9"])
+  assert [s.text() for s in _method_specs(args)] == [
+      "lookahead:k=3:nodes=12:window=5", "ngram+retrieval:conversations=9"]
   _assert_usage_error(_main(capsys, "bench", "--method", "ngram:k=x"),
                       "k must be an integer, got 'x'")
   help_text = " ".join(_main(capsys, "bench", "--help").stdout.split())

@@ -18,9 +18,9 @@ Fast stage: a sampled chain whose draft vocabulary is smaller than V (an
 EAGLE-3 head, Vd = 10), a deterministic chain (n-gram), a model tree (EAGLE-2
 dynamic) and a static tree (the head's 2x2). Long stage: AR (the reference
 agrees with specjax's sampler), the other drafters (draft model, layer-skip,
-Medusa chain and tree, an MTP module's chain and dynamic tree, retrieval,
-the head's tree merged with the lookup trie) and the mutations the check
-must catch.
+CLaSp, lookahead, Medusa chain and tree, an MTP module's chain and dynamic
+tree, retrieval, the head's tree merged with the lookup trie) and the
+mutations the check must catch.
 
 The other sampling options the same way, the law from transformers'
 processors (repetition penalty, sequence bias, min-p) and the OpenAI
@@ -198,10 +198,12 @@ def _eagle(target):
 def fast_drafters(target):
   """{name: (drafter, drafter params, DecodeConfig kwargs)}."""
   from specjax.core import tree
-  from specjax.drafters import NGramDrafter
+  from specjax.drafters import LookaheadDrafter, NGramDrafter
   from specjax.drafters.eagle import EagleDrafter
   hcfg, eagle = _eagle(target)
   return {
+      "lookahead_trie": (LookaheadDrafter(window=3, width=2), None,
+                         dict(tree_nodes=4)),
       "eagle3_chain_small_vocab": (EagleDrafter(hcfg), eagle, {}),
       "ngram_chain": (NGramDrafter(), None, {}),
       "eagle2_dynamic_tree": (EagleDrafter(hcfg, tree_width=2), eagle,
@@ -213,8 +215,9 @@ def fast_drafters(target):
 
 def long_drafters(target, tmp_path_factory):
   from specjax.core import tree
-  from specjax.drafters import (DraftModelDrafter, LayerSkipDrafter,
-                                LookupDrafter, RetrievalDrafter)
+  from specjax.drafters import (ClaspDrafter, DraftModelDrafter,
+                                LayerSkipDrafter, LookupDrafter,
+                                RetrievalDrafter)
   from specjax.drafters.eagle import EagleDrafter, EagleParams
   from specjax.drafters.medusa import MedusaDrafter, MedusaParams
   from specjax.drafters.retrieval import build_datastore
@@ -241,6 +244,7 @@ def long_drafters(target, tmp_path_factory):
                             draft_params, {}),
       "layer_skip_chain": (LayerSkipDrafter.from_target(Decoder(cfg), 1),
                            params, {}),
+      "clasp_chain": (ClaspDrafter.from_target(Decoder(cfg), 1), params, {}),
       "medusa_chain": (MedusaDrafter(mcfg), medusa, {}),
       "medusa_static_tree_2x2": (MedusaDrafter(mcfg, tree_shape=tuple(
           tree.parse_shape("2x2"))), medusa, dict(tree_nodes=6)),
@@ -281,7 +285,16 @@ def test_fast_drafters_sample_the_target_exactly(target, name):
 
 
 @pytest.mark.long
+def test_lookahead_samples_the_target_exactly(target):
+  """Invariant: lookahead's trie (the context's continuations and the
+  target's own Jacobi n-grams, its window scored in the same forward)
+  follows the law; the window's n-grams depend only on earlier steps."""
+  _check(target, *fast_drafters(target)["lookahead_trie"])
+
+
+@pytest.mark.long
 @pytest.mark.parametrize("name", ["draft_model_chain", "layer_skip_chain",
+                                  "clasp_chain",
                                   "medusa_chain", "medusa_static_tree_2x2",
                                   "retrieval_trie",
                                   "eagle_tree_with_lookup_trie", "mtp_chain",
@@ -423,7 +436,30 @@ def _min_p_in_the_draft_only(monkeypatch):
       self, b, a).replace(params=dataclasses.replace(self.params, min_p=0.0)))
 
 
+def _candidate_after_the_draw(monkeypatch):
+  """The root's first child takes the target's draw at the root as its
+  token after the forward scored the child's own token: a candidate
+  chosen by looking at the draw."""
+  from specjax.core import tree as trees
+  from specjax.core.rows import set_at_rows
+  verify = trees.verify_tree
+
+  def peeking(tree, anc_BMM, probs_BMV, key, sampling, max_depth):
+    draws_BM = trees.draw(probs_BMV.astype(jnp.float32), sampling, key)
+    child_BM = (tree.parents == 0) & tree.valid & (
+        jnp.arange(tree.tokens.shape[1]) > 0)[None, :]
+    first_B = jnp.argmax(child_BM, axis=1)
+    token_B = jnp.where(jnp.any(child_BM, axis=1), draws_BM[:, 0],
+                        trees.at_rows(tree.tokens, first_B))
+    tokens = set_at_rows(tree.tokens, first_B, token_B)
+    return verify(tree.replace(tokens=tokens), anc_BMM, probs_BMV, key,
+                  sampling, max_depth)
+  monkeypatch.setattr(trees, "verify_tree", peeking)
+
+
 MUTATIONS = {  # name: (drafter, mutation[, sampling])
+    "lookahead_candidate_after_the_draw": ("lookahead_trie",
+                                           _candidate_after_the_draw),
     "draft_probs_reported_unwarped": ("eagle3_chain_small_vocab",
                                       _report_raw_draft_probs),
     "target_unwarped_in_verify": ("ngram_chain",
@@ -445,7 +481,8 @@ MUTATIONS = {  # name: (drafter, mutation[, sampling])
 @pytest.mark.parametrize("mutation", sorted(MUTATIONS))
 def test_the_check_catches_mutations(target, mutation, monkeypatch):
   """Invariant (mutation check): the same check FAILS for a drafter that
-  reports a distribution other than the one it drew from, for a verifier
+  reports a distribution other than the one it drew from, for a lookahead
+  candidate chosen after the target's draw at its position, for a verifier
   that drops top-k/top-p, for tree nodes at index positions, for penalties
   that miss the drafted tokens, for min-p left off the target and for an
   allowed-token hook fed the committed context at drafted positions."""

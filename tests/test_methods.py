@@ -153,7 +153,8 @@ GRAMMAR = ["ar", "ngram", "ngram:k=5:nodes=8:width=2", "retrieval:k=3:nodes=6",
            "draft:draft=models/d.gguf:conf=0.5", "layerskip:layers=20:conf=0.6",
            "eagle:k=5", "eagle3:k=4:nodes=7:width=2",
            "eagle3:k=5:shape=2x2x1:lookup=8:head=runs/e3/head.npz",
-           "eagle3:shape=0,1,2,0.0", "medusa:shape=2x2x1"]
+           "eagle3:shape=0,1,2,0.0", "medusa:shape=2x2x1",
+           "lookahead:k=3:window=5:width=2", "clasp:k=3:layers=18:refresh=2"]
 
 
 @pytest.mark.parametrize("text", GRAMMAR)
@@ -183,12 +184,12 @@ def test_the_grammar_covers_every_key():
     ("eagle3:conf=high", "conf must be a number, got 'high'"),
     ("eagle3:k=2:k=3", "k given twice"),
     ("ngram:head=h.npz", "head is for eagle, eagle3, medusa, mtp; ngram would"),
-    ("eagle3:layers=3", "layers is for layerskip; eagle3 would"),
+    ("eagle3:layers=3", "layers is for clasp, layerskip; eagle3 would"),
     ("ngram:conversations=300", "conversations is for eagle, eagle3, "
      "medusa, mtp, ngram+retrieval, retrieval; ngram would"),
-    ("retrieval:width=2", "width is for eagle, eagle3, medusa, mtp, ngram, "
-     "ngram+retrieval; retrieval would"),
-    ("ar:k=3", "k is for draft, eagle"),
+    ("retrieval:width=2", "width is for eagle, eagle3, lookahead, medusa, "
+     "mtp, ngram, ngram+retrieval; retrieval would"),
+    ("ar:k=3", "k is for clasp, draft, eagle"),
     ("eagle3:shape=1000x1000", "nodes"),
 ])
 def test_a_bad_method_is_one_error_naming_the_knob(text, needle):

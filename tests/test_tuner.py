@@ -21,7 +21,34 @@ def priors(monkeypatch):
   monkeypatch.setattr(tuner, "PRIORS", table)
   monkeypatch.setattr(tuner, "DRAFT_COST", {})
   monkeypatch.setattr(tuner, "DRAFT_RATE", {})
+  monkeypatch.setattr(tuner, "CONFIG_PRIORS", [])
   return table
+
+
+def test_a_configuration_measured_whole_pays_for_what_it_scores(
+    priors, monkeypatch):
+  """Invariant: a lookahead configuration is scored from its measured τ
+  and the verify forward over every token it scores (trie and window) on
+  this machine's curve, its τ interpolated in temperature; on a steep
+  curve a wide window loses to the same τ scored narrower, and a task it
+  was not measured on borrows chat and says so."""
+  spec = "lookahead:k=3:nodes=6:window=3"
+  monkeypatch.setattr(tuner, "CONFIG_PRIORS", [
+      dict(method="lookahead", spec=spec, task="chat", temperature=t, k=3,
+           tau=tau, verify_width=16, draft_cost=0.05)
+      for t, tau in ((0.0, 2.0), (1.0, 1.6))])
+  for curve in (FLAT, STEEP):
+    rec = tuner.recommend(tuner.Workload(temperature=0.5), curve,
+                          methods=("ngram",))
+    opt = next(o for o in rec.options if o.method == spec)
+    step = 0.05 * curve.forward[1] + curve.forward_at(16) + curve.rest
+    assert opt.expected_tokens == pytest.approx(1.8)
+    assert opt.speedup == pytest.approx(curve.ar_step * 1.8 / step)
+  assert opt.speedup < 1 and rec.method != spec  # STEEP: 16 tokens cost 16
+  rec = tuner.recommend(tuner.Workload(task="code"), FLAT,
+                        methods=("layerskip",))
+  assert rec.method == spec and rec.options[0].alpha is None
+  assert any("borrowed from chat" in line for line in rec.reasoning)
 
 
 def test_picks_the_theory_optimum(priors):

@@ -296,8 +296,11 @@ def _method_specs(args) -> list:
 
 def _flag_given(args, field: str) -> bool:
   """Whether the flag for the ``MethodSpec`` field ``field`` was set (to
-  other than the field's default; --num-draft's own default is None)."""
+  other than the field's default; --num-draft's own default is None). A
+  field the method grammar alone sets has no flag."""
   from specjax.drafters.methods import MethodSpec
+  if field not in _FLAGS:
+    return False
   if field == "num_draft":
     return args.num_draft is not None
   return getattr(args, field) != getattr(MethodSpec, field)
@@ -642,8 +645,8 @@ def cmd_tune(args) -> int:
     out["tree"] = tree and dataclasses.asdict(tree)
     print(json.dumps(out))
     return 0
-  label = "ar" if rec.method == "ar" else f"{rec.method} --num-draft " \
-      f"{rec.num_draft}"
+  label = (rec.method if rec.method == "ar" or ":" in rec.method
+           else f"{rec.method} --num-draft {rec.num_draft}")
   print(f"recommended: --method {label}  ({rec.expected_speedup:.2f}x "
         f"predicted, {rec.ms_per_token:.1f} ms/token vs AR "
         f"{rec.ar_ms_per_token:.1f})")

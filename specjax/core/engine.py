@@ -54,7 +54,8 @@ from specjax.core.sampling import (Allowed, AllowedTokens, History,
                                    RowSampling, Sampler, SamplingParams, draw,
                                    require_int, split, warp)
 from specjax.core.verify import verify_chain
-from specjax.drafters.base import Context, Drafter, TreeDrafter
+from specjax.drafters.base import (Context, Drafter, Riders, RidingDrafter,
+                                   TreeDrafter)
 from specjax.models.target import ForwardOutput, Target, missing_members
 
 # Per-row stop reasons (``DecodeState.stop_reason``).
@@ -143,6 +144,9 @@ class DecodeConfig:
     if self.tree_nodes and not isinstance(self.drafter, TreeDrafter):
       raise ValueError(f"tree_nodes={self.tree_nodes} needs a drafter that "
                        f"proposes trees, not {type(self.drafter).__name__}")
+    if isinstance(self.drafter, RidingDrafter) and not self.tree_nodes:
+      raise ValueError(f"{type(self.drafter).__name__} drafts trees only "
+                       "(its riders are scored beside one): give tree_nodes")
     if self.tree_nodes > trees.MAX_NODES:
       raise ValueError(f"tree_nodes={self.tree_nodes} is more than "
                        f"{trees.MAX_NODES}, the largest tree specjax builds")
@@ -156,8 +160,17 @@ class DecodeConfig:
 
   @property
   def block(self) -> int:
-    """Tokens a verify forward scores per row: the newest plus the drafts."""
+    """Tokens a verify forward verifies per row: the newest plus the
+    drafts."""
     return block_width(self.k, self.tree_nodes)
+
+  @property
+  def width(self) -> int:
+    """Tokens a verify forward scores per row: the block and a
+    ``RidingDrafter``'s riders."""
+    if isinstance(self.drafter, RidingDrafter):
+      return self.block + self.drafter.num_riders(self.k)
+    return self.block
 
 
 def block_width(num_draft: int, tree_nodes: int = 0) -> int:
@@ -546,6 +559,7 @@ class _Draft:
       deterministic drafter, a tree).
     tree: a tree step's ``core.tree.Tree``, or None (a chain).
     anc: the tree's ancestor mask ``bool[B, W, W]``, or None.
+    riders: a ``RidingDrafter``'s riders, scored after the block, or None.
   """
   block: jax.Array
   num_drafted: jax.Array
@@ -553,6 +567,15 @@ class _Draft:
   probs: Optional[jax.Array] = None
   tree: Optional[trees.Tree] = None
   anc: Optional[jax.Array] = None
+  riders: Optional[Riders] = None
+
+
+def drafter_context(state: DecodeState, drafter: Drafter) -> Context:
+  """What ``drafter.propose`` reads: the committed tokens, and the
+  target's cache for a drafter whose ``reads_target_cache`` is true."""
+  if getattr(drafter, "reads_target_cache", False):
+    return state.context.replace(cache=state.cache)
+  return state.context
 
 
 def _draft(drafter_params, state: DecodeState, dcfg: DecodeConfig,
@@ -560,7 +583,7 @@ def _draft(drafter_params, state: DecodeState, dcfg: DecodeConfig,
   """The drafter's chain or tree, cut to what the row's buffer and cache
   can still take (a step emits up to its accepted depth + 1 tokens); AR
   (K = 0): the newest token alone."""
-  ctx = state.context
+  ctx = drafter_context(state, dcfg.drafter)
   room_B = dcfg.capacity - ctx.num_tokens - 1  # < 0 only in a stopped row
   if dcfg.tree_nodes:
     prop = dcfg.drafter.propose_tree(drafter_params, state.drafter_state, ctx,
@@ -571,7 +594,8 @@ def _draft(drafter_params, state: DecodeState, dcfg: DecodeConfig,
                & (jnp.arange(dcfg.block)[None, :] <= room_B[:, None] + 1))
     tree = tree.replace(valid=tree.valid & fits_BM)
     return _Draft(block=tree.tokens, num_drafted=tree.num_drafted,
-                  drafter_state=prop.state, tree=tree, anc=anc_BMM)
+                  drafter_state=prop.state, tree=tree, anc=anc_BMM,
+                  riders=prop.riders)
   newest_B1 = ctx.newest()[:, None]
   if not dcfg.k:
     return _Draft(block=newest_B1, num_drafted=jnp.zeros_like(room_B),
@@ -589,19 +613,42 @@ def _score(params, cache: KVCache, draft: _Draft, live_B: jax.Array, *,
   """The target forward over the draft's block: ``(out, wide)``. When no
   live row drafted (no n-gram match, an unconfident head), it scores the
   newest token alone (``wide`` False): on a CPU a forward over the block
-  costs more than a one-token one."""
+  costs more than a one-token one. A draft with riders always scores the
+  block and its riders (``_with_riders``), their logits after the block's."""
   positions_BT = mask_BTT = None
+  block_BT = draft.block
   if draft.tree is not None:
     positions_BT = trees.positions(cache.lengths, draft.anc)
     mask_BTT = draft.anc
-  verify = functools.partial(_verify_forward, params, target, draft.block,
+  if draft.riders is not None:
+    block_BT, positions_BT, mask_BTT = _with_riders(
+        draft.block, positions_BT, mask_BTT, draft.riders)
+  verify = functools.partial(_verify_forward, params, target, block_BT,
                              cache, _feature_taps(dcfg),
                              positions_BT=positions_BT, mask_BTT=mask_BTT)
+  if draft.riders is not None:
+    return verify(block_BT.shape[1]), jnp.any(live_B)
   wide = jnp.any((draft.num_drafted > 0) & live_B)
   if not dcfg.k:
     return verify(1), wide
   return jax.lax.cond(wide, lambda: verify(dcfg.block),
                       lambda: verify(1)), wide
+
+
+def _with_riders(block_BM, positions_BM, anc_BMM, riders: Riders):
+  """A tree's block with the riders after it: ``(tokens, positions, mask)``
+  of ``M + E`` tokens, the riders placed after the root and seeing it and
+  what ``riders.sees`` marks, the tree's nodes seeing none of them."""
+  B, M = block_BM.shape
+  E = riders.tokens.shape[1]
+  sees_BEE = jnp.broadcast_to(riders.sees, (B, E, E))
+  root_BEM = jnp.broadcast_to(jnp.arange(M) == 0, (B, E, M))
+  mask_BTT = jnp.concatenate([
+      jnp.concatenate([anc_BMM, jnp.zeros((B, M, E), bool)], axis=2),
+      jnp.concatenate([root_BEM, sees_BEE], axis=2)], axis=1)
+  positions_BE = positions_BM[:, :1] + riders.offsets[None, :]
+  return (jnp.concatenate([block_BM, riders.tokens], axis=1),
+          jnp.concatenate([positions_BM, positions_BE], axis=1), mask_BTT)
 
 
 def _verify(state: DecodeState, draft: _Draft, logits_BWV: jax.Array,
@@ -745,7 +792,8 @@ def step(params, state: DecodeState, *,
   out, wide = _score(params, state.cache, draft, live_B, target=target,
                      dcfg=dcfg)
   res, path_BK1, logprobs, nonfinite_B = _verify(
-      state, draft, out.logits, live_B, sampler, k_verify, dcfg)
+      state, draft, out.logits[:, :dcfg.block], live_B, sampler, k_verify,
+      dcfg)
   # A row that reached a non-finite position still emits what it accepted
   # before it (``_verify``), then stops, unless an EOS, a stop sequence or
   # its budget ended it first.
@@ -754,6 +802,10 @@ def step(params, state: DecodeState, *,
   nonfinite_B &= (n_B == res.num_emitted) & ~hit_eos_B & ~hit_stop_B
   ctx = Context(tokens=state.tokens, num_tokens=state.num_tokens + n_B)
   drafter_state = draft.drafter_state
+  if draft.riders is not None:
+    drafter_state = dcfg.drafter.ridden(
+        drafter_params, drafter_state, ctx,
+        jnp.argmax(out.logits[:, dcfg.block:], axis=-1).astype(jnp.int32))
   if dcfg.k:  # the drafter sees a tree's path as a chain
     drafter_state = dcfg.drafter.commit(drafter_params, drafter_state, ctx,
                                         _on_path(_features(out), path_BK1))

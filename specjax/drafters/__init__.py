@@ -39,16 +39,19 @@ most K deep, fixed before the target scores it (``DecodeConfig.tree_nodes``).
 
 from specjax.drafters.base import (AR, Context, Drafter, Method, Proposal,
                                    TreeDrafter, TreeProposal)
+from specjax.drafters.clasp import ClaspDrafter
 from specjax.drafters.draft_model import DraftModelDrafter, LayerSkipDrafter
 from specjax.drafters.eagle import EagleDrafter, EagleParams
+from specjax.drafters.lookahead import LookaheadDrafter
 from specjax.drafters.lookup import LookupDrafter
 from specjax.drafters.medusa import MedusaDrafter, MedusaParams
 from specjax.drafters.ngram import NGramDrafter
 from specjax.drafters.retrieval import (Datastore, RetrievalDrafter,
                                         build_datastore, sharegpt_datastore)
 
-__all__ = ["AR", "Context", "Datastore", "DraftModelDrafter", "Drafter",
-           "EagleDrafter", "EagleParams", "LayerSkipDrafter", "LookupDrafter",
+__all__ = ["AR", "ClaspDrafter", "Context", "Datastore", "DraftModelDrafter", "Drafter",
+           "EagleDrafter", "EagleParams", "LayerSkipDrafter", "LookaheadDrafter",
+           "LookupDrafter",
            "MedusaDrafter", "MedusaParams", "Method", "NGramDrafter",
            "Proposal", "RetrievalDrafter", "TreeDrafter", "TreeProposal",
            "build_datastore", "sharegpt_datastore"]

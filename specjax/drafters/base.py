@@ -9,6 +9,7 @@ from typing import Any, ClassVar, Optional, Protocol, runtime_checkable
 import jax
 from flax import struct
 
+from specjax.core.cache import KVCache
 from specjax.core.rows import at_rows
 from specjax.core.sampling import Sampler
 from specjax.core.tree import Tree, trie
@@ -22,9 +23,13 @@ class Context:
   Attributes:
     tokens: ``int32[B, S]`` left-aligned, the rest of each row unused.
     num_tokens: ``int32[B]`` valid entries per row, at least 1.
+    cache: the target's cache of each row's committed tokens but the
+      newest (lengths ``num_tokens - 1``), at ``propose`` for a drafter
+      whose ``reads_target_cache`` is true; else None.
   """
   tokens: jax.Array
   num_tokens: jax.Array
+  cache: Optional[KVCache] = None
 
   def newest(self) -> jax.Array:
     """``int32[B]``: each row's last committed token."""
@@ -50,12 +55,31 @@ class Proposal:
 
 
 @struct.dataclass
+class Riders:
+  """Tokens a drafter has the target score beside its tree, for its own use
+  (Lookahead's Jacobi window): never verified, never kept in the cache. Each
+  sees the row's cache, the tree's root and the riders ``sees`` marks; no
+  tree node sees a rider.
+
+  Attributes:
+    tokens: ``int32[B, E]``.
+    offsets: ``int32[E]`` each rider's position after the root's.
+    sees: ``bool[E, E]`` which riders each rider attends to (itself too).
+  """
+  tokens: jax.Array
+  offsets: jax.Array
+  sees: jax.Array
+
+
+@struct.dataclass
 class TreeProposal:
   """A draft tree for one step (``core.tree.Tree``, ``M = num_nodes + 1``
-  nodes, depth at most K) fixed before the target scores it, and the
-  drafter's state after proposing."""
+  nodes, depth at most K) fixed before the target scores it, the
+  drafter's state after proposing, and any ``Riders`` (a
+  ``RidingDrafter``'s)."""
   tree: Tree
   state: Any = None
+  riders: Optional[Riders] = None
 
 
 @runtime_checkable
@@ -75,6 +99,10 @@ class Drafter(Protocol):
       engine passes their concatenation as ``features``. Empty: none.
     needs_params: whether ``params`` must be given (a head, a draft model's
       weights, a datastore); the engine refuses None for such a drafter.
+
+  Optional: ``reads_target_cache`` (default False): ``propose`` then gets
+  the target's cache in ``ctx.cache`` (CLaSp drafts with the target
+  itself over it).
   """
   feature_taps: tuple[int, ...]
   needs_params: bool
@@ -103,6 +131,21 @@ class TreeDrafter(Drafter, Protocol):
                    sampling: Sampler) -> TreeProposal:
     """A tree of up to ``num_nodes`` drafted nodes, none deeper than
     ``num_draft``, whose shape and tokens do not depend on the target."""
+
+
+@runtime_checkable
+class RidingDrafter(TreeDrafter, Protocol):
+  """A tree drafter whose proposals carry ``Riders``: it drafts trees only,
+  and reads the target's greedy token at each rider."""
+
+  def num_riders(self, num_draft: int) -> int:
+    """E, the riders each proposal carries at K = ``num_draft``."""
+
+  def ridden(self, params: Any, state: Any, ctx: Context,
+             greedy: jax.Array) -> Any:
+    """The state after the verify forward gave ``greedy`` (``int32[B, E]``,
+    the target's argmax at each rider) and the step committed ``ctx``'s
+    tokens; ``commit`` follows."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
   from specjax.models.registry import Model
 
 METHODS = ("ar", "ngram", "draft", "layerskip", "retrieval", "ngram+retrieval",
-           "eagle", "eagle3", "medusa", "mtp")
+           "lookahead", "clasp", "eagle", "eagle3", "medusa", "mtp")
 # Methods that draft with a trained head, and the head variant each loads.
 HEADS = {"eagle": "eagle1", "eagle3": "eagle3", "medusa": "medusa",
          "mtp": "mtp"}
@@ -38,7 +38,8 @@ class MethodError(ValueError):
 KNOBS = {"k": "num_draft", "nodes": "tree_nodes", "width": "tree_width",
          "shape": "tree_shape", "lookup": "lookup_nodes", "layers": "layers",
          "conf": "min_confidence", "draft": "draft_model", "head": "head",
-         "conversations": "datastore_conversations"}
+         "conversations": "datastore_conversations", "window": "window",
+         "refresh": "refresh"}
 
 
 def parse_knobs(text: str) -> tuple[str, dict]:
@@ -98,7 +99,9 @@ class MethodSpec:
   Attributes:
     name: one of ``METHODS``.
     num_draft: K, drafts per verify step (ignored for "ar").
-    layers: layer-skip depth (None = 80% of the target's layers, rounded).
+    layers: layer-skip depth, or the layers a CLaSp draft runs (None = 80%
+      of the target's layers, rounded).
+    refresh: "clasp": steps between two choices of the skipped layers.
     min_confidence: dynamic K threshold for model and EAGLE drafters
       (0 = fixed K).
     draft_model: the "draft" method's model (a name, .gguf or HF dir).
@@ -114,6 +117,9 @@ class MethodSpec:
       or EAGLE's top-k per expanded node and nodes expanded per level.
     tree_shape: EAGLE and Medusa heads: a static tree (``tree.parse_shape``:
       ``"2x2x1"`` or rank paths); it sets ``tree_nodes`` and ``num_draft``.
+    window: "lookahead": the Jacobi window's columns W (its levels are
+      ``num_draft``; its n-grams K + 1 tokens). The method drafts trees
+      only: ``tree_nodes`` 0 means ``num_draft * tree_width``.
     lookup_nodes: EAGLE and Medusa trees: this many of the ``tree_nodes``
       come from the n-gram-then-retrieval trie ("ngram+retrieval"), merged
       with the head's tree (``drafters.union``); with a ``tree_shape`` they
@@ -131,13 +137,16 @@ class MethodSpec:
   tree_width: int = 4
   tree_shape: str = ""
   lookup_nodes: int = 0
+  window: int = 4
+  refresh: int = 1
 
   def __post_init__(self):
     from specjax.core.sampling import require_int
     if self.name not in METHODS:
       raise MethodError(f"unknown method {self.name!r} (choose from "
                         f"{', '.join(METHODS)})")
-    for field in ("num_draft", "tree_nodes", "tree_width", "lookup_nodes"):
+    for field in ("num_draft", "tree_nodes", "tree_width", "lookup_nodes",
+                  "window", "refresh"):
       require_int(field, getattr(self, field))
     if not isinstance(self.min_confidence, (int, float)) or isinstance(
         self.min_confidence, bool):
@@ -148,10 +157,14 @@ class MethodSpec:
         ("tree_nodes", self.tree_nodes >= 0, ">= 0"),
         ("tree_width", self.tree_width >= 1, ">= 1"),
         ("lookup_nodes", self.lookup_nodes >= 0, ">= 0"),
+        ("window", self.window >= 1, ">= 1"),
+        ("refresh", self.refresh >= 1, ">= 1"),
         ("min_confidence", 0 <= self.min_confidence < 1, "in [0, 1)")):
       if not ok:  # NaN fails its rule
         raise MethodError(f"{field} must be {rule}, got "
                           f"{getattr(self, field)}")
+    if self.name == "lookahead" and not self.tree_nodes:
+      object.__setattr__(self, "tree_nodes", self.num_draft * self.tree_width)
     if self.tree_shape:  # the shape fixes the node count and the depth
       from specjax.core import tree
       try:
@@ -314,6 +327,21 @@ class _Lookup(_Own):
     return _lookup(model, self.tree_width, self.datastore_conversations)
 
 
+class _Lookahead(_Own):
+  """Jacobi iteration's n-grams and the row's own context: a trie beside
+  the window the target scores in the same forward."""
+  READS = frozenset({"num_draft", "tree_nodes", "tree_width", "window"})
+
+  def widens(self):
+    return True
+
+  def build(self, model):
+    from specjax.drafters import LookaheadDrafter, NGramDrafter
+    return LookaheadDrafter(window=self.window, width=self.tree_width,
+                            context=NGramDrafter(num_paths=self.tree_width)
+                            ), None
+
+
 class _DraftModel(_Own):
   READS = frozenset({"num_draft", "min_confidence", "draft_model"})
 
@@ -330,6 +358,20 @@ class _LayerSkip(_Own):
     try:
       return (LayerSkipDrafter.from_target(model.target, layers,
                                            self.min_confidence), model.params)
+    except ValueError as e:
+      raise MethodError(str(e)) from None
+
+
+class _Clasp(_Own):
+  """The target drafting with the layers a dynamic programme skips."""
+  READS = frozenset({"num_draft", "min_confidence", "layers", "refresh"})
+
+  def build(self, model):
+    from specjax.drafters import ClaspDrafter
+    layers = self.layers if self.layers is not None else default_layers(model)
+    try:
+      return (ClaspDrafter.from_target(model.target, layers, self.refresh,
+                                       self.min_confidence), model.params)
     except ValueError as e:
       raise MethodError(str(e)) from None
 
@@ -369,8 +411,8 @@ class _Head(_Own):
 
 _OWN = {"ar": _AR, "ngram": _NGram, "draft": _DraftModel,
         "layerskip": _LayerSkip, "retrieval": _Retrieval,
-        "ngram+retrieval": _Lookup, "eagle": _Head, "eagle3": _Head,
-        "medusa": _Head, "mtp": _Head}
+        "ngram+retrieval": _Lookup, "lookahead": _Lookahead, "clasp": _Clasp,
+        "eagle": _Head, "eagle3": _Head, "medusa": _Head, "mtp": _Head}
 # The drafters that stop a chain early on their own confidence (dynamic K).
 DYNAMIC_K = tuple(m for m in METHODS if m in readers("min_confidence"))
 _DEFAULT_WIDTH = MethodSpec.tree_width

@@ -18,6 +18,8 @@ Definitions (aggregated over all rows):
     same depth and rank every step).
   wide_verify_fraction: steps whose target forward covered all K + 1 tokens;
     in the others no row had drafted and the newest token was scored alone.
+  verify_width: tokens a wide verify forward scores per row: the block (the
+    newest token and the drafts or tree nodes) and a lookahead window.
   ttft_ms: time to the first token of the first batch (its prefill and first
     sample, at its prompt bucket); tokens_per_s counts the prefill in.
   time_split: the method's wall time attributed to drafting, verifying and
@@ -56,7 +58,7 @@ from specjax.models.registry import Model
 class Costs:
   """Per-step costs in seconds at one run's shapes (medians of repeats)."""
   target_1: float   # target forward over [B, 1] (an AR step's forward)
-  verify: float     # target forward over [B, K + 1]
+  verify: float     # target forward over [B, width] (the block and riders)
   draft: float      # one drafter.propose of K drafts
   prefill: float = 0.0  # the batch's prefill and first sample: its TTFT
 
@@ -104,7 +106,7 @@ def measure_costs(model: Model, prompts: Sequence[Sequence[int]],
   prefill = prefill_call(model, prompt_BT, lengths, dcfg, drafter_params)
   prefill_s = median_time(prefill, repeats)
   state = prefill()
-  K, width = dcfg.k, dcfg.block
+  K, width = dcfg.k, dcfg.width
   fwd = jax.jit(lambda p, t, c: model.target.forward(p, t, c).logits)
   target_1 = median_time(
       lambda: fwd(model.params, state.tokens[:, :1], state.cache), repeats)
@@ -117,7 +119,8 @@ def measure_costs(model: Model, prompts: Sequence[Sequence[int]],
         (lambda p, s, c, k, sp: d.propose_tree(p, s, c, k, K, M, sp)) if M
         else (lambda p, s, c, k, sp: d.propose(p, s, c, k, K, sp)))
     draft = median_time(lambda: propose(
-        drafter_params, state.drafter_state, state.context,
+        drafter_params, state.drafter_state,
+        engine.drafter_context(state, d),
         jax.random.key(1), state.sampler(dcfg, model.config.vocab_size)),
         repeats)
   return Costs(target_1=target_1, verify=verify, draft=draft,
@@ -311,7 +314,7 @@ def run(model: Model, methods_: Sequence[methods.MethodSpec | tuple],
         **sampling.record(), num_prompts=len(prompts),
         new_tokens=runs[0].new_tokens, max_new_tokens=max_new_tokens,
         batch_size=batch_size, repeats=repeats, num_draft=spec.k,
-        tree_nodes=spec.tree_nodes,
+        tree_nodes=spec.tree_nodes, verify_width=dcfg.width,
         wide_verify_fraction=round(wide_fraction, 4),
         **{k: (round(v, 4) if isinstance(v, float) else v)
            for k, v in acc.items()},

@@ -48,6 +48,20 @@ def speedup(alpha: float, k: int, c: float,
   return 1.0 / time_per_token(alpha, k, c, verify_cost)
 
 
+def step_speedup(tokens: float, verify: float, draft: float = 0.0) -> float:
+  """The speedup of a method measured as a whole step rather than α: each
+  step emits ``tokens`` (its measured τ) for a verify forward of ``verify``
+  AR steps (v of the tokens it scores: Lookahead scores 1 + its trie's
+  nodes + its window's K·W tokens, where a chain scores K + 1) plus
+  ``draft`` AR steps of drafting (CLaSp: K forwards of L - M of the L
+  layers, plus its dynamic programme, about a forward over M tokens):
+  τ / (draft + verify)."""
+  if tokens < 1 or verify <= 0 or draft < 0:
+    raise ValueError(f"want tokens >= 1, verify > 0, draft >= 0; got "
+                     f"{tokens}, {verify}, {draft}")
+  return tokens / (draft + verify)
+
+
 def with_prefill(speedup_: float, prefill: float, new_tokens: int) -> float:
   """The speedup of a whole request: a prefill of ``prefill`` AR steps
   (paid alike by AR and the method) then ``new_tokens`` tokens, decoded

@@ -24,6 +24,14 @@ was measured (``TREE_PRIORS``, from benchmarks/tree_rank_acceptance.py),
 depth, and the tuner keeps the one with the lowest time per token under the
 measured verify curve, now timed out to ``TREE_WIDTHS`` tokens, and a draft
 cost of one head call per level (Sequoia's sizing on this machine).
+
+Methods measured whole (``CONFIG_PRIORS``: Lookahead, whose step scores its
+window beside its trie, and CLaSp, whose draft runs L - M layers per token
+plus its choice of the M, about one forward over M tokens) are scored per
+measured configuration: its τ for a verify forward over the tokens it
+scores, timed on the curve here, plus its measured drafting
+(``theory.step_speedup``); so the tuner picks CLaSp's M among those
+measured.
 """
 
 from __future__ import annotations
@@ -56,7 +64,7 @@ def _load_priors():
   and per method, a drafted token's cost in one-token target forwards."""
   path = pathlib.Path(__file__).with_name("tuner_priors.json")
   if not path.is_file():
-    return {}, {}, {}, {}
+    return {}, {}, {}, {}, []
   data = json.loads(path.read_text())
   alpha: dict = {}
   rate: dict = {}
@@ -69,10 +77,10 @@ def _load_priors():
   for t in data.get("tree_acceptance", []):
     trees.setdefault((t["method"], t["task"]), {})[float(t["temperature"])] = (
         t["p"])
-  return alpha, rate, costs, trees
+  return alpha, rate, costs, trees, data.get("configs", [])
 
 
-PRIORS, DRAFT_RATE, DRAFT_COST, TREE_PRIORS = _load_priors()
+PRIORS, DRAFT_RATE, DRAFT_COST, TREE_PRIORS, CONFIG_PRIORS = _load_priors()
 
 # Unmeasured tasks borrow a measured one; why, in words for the reasoning.
 BORROW = {
@@ -163,9 +171,11 @@ class CostCurve:
 
 @dataclasses.dataclass
 class Option:
+  """A method and K; ``method`` is a whole spec in the method grammar for
+  a configuration measured whole (``alpha`` None)."""
   method: str
   num_draft: int
-  alpha: float
+  alpha: Optional[float]
   expected_tokens: float
   ms_per_token: float
   speedup: float
@@ -323,6 +333,7 @@ def recommend(workload: Workload, costs: CostCurve, methods=None,
     reasoning.append(f"{method}: {source}{drafts}; best K={best.num_draft} "
                      f"gives E={best.expected_tokens:.2f} tokens/verify, "
                      f"{best.speedup:.2f}x.")
+  options += _config_options(workload, costs, reasoning)
   options.sort(key=lambda o: -o.speedup)
   top = options[0] if options else None
   if top is None or top.speedup < MIN_GAIN:
@@ -357,6 +368,38 @@ def recommend(workload: Workload, costs: CostCurve, methods=None,
                         meets_latency_target=meets, reasoning=reasoning,
                         options=options, ttft_ms=ttft_ms,
                         speedup_with_prefill=whole)
+
+
+def _config_options(workload: Workload, costs: CostCurve,
+                    reasoning: list[str]) -> list[Option]:
+  """Each configuration measured whole (``CONFIG_PRIORS``) for the
+  workload's task (or the one it borrows), its τ interpolated in
+  temperature, scored on this machine's curve: a verify forward over the
+  tokens it scores, plus its drafting."""
+  task, note = workload.task, ""
+  if task not in {c["task"] for c in CONFIG_PRIORS} and task in BORROW:
+    task, why = BORROW[task]
+    note = f" (borrowed from {task}: {why})"
+  by_spec: dict = {}
+  for c in CONFIG_PRIORS:
+    if c["task"] == task:
+      by_spec.setdefault(c["spec"], []).append(c)
+  options = []
+  for spec, runs in by_spec.items():
+    tau = _interp({float(c["temperature"]): c["tau"] for c in runs},
+                  workload.temperature)
+    c = runs[0]
+    verify = ((costs.forward_at(c["verify_width"]) + costs.rest)
+              / costs.ar_step)
+    draft = c.get("draft_cost", 0.0) * costs.forward[1] / costs.ar_step
+    gain = theory.step_speedup(tau, verify, draft)
+    options.append(Option(spec, c["k"], None, tau,
+                          costs.ar_step / gain * 1e3, gain))
+    reasoning.append(
+        f"{spec}: τ={tau:.2f} measured on {c['task']} at T in "
+        f"{sorted(float(r['temperature']) for r in runs)}{note}; scores "
+        f"{c['verify_width']} tokens a step (v={verify:.2f}), {gain:.2f}x.")
+  return options
 
 
 @dataclasses.dataclass

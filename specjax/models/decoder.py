@@ -262,7 +262,8 @@ def forward(params: DecoderParams, cfg: ModelConfig, tokens_BT: jax.Array,
             mask_BTT: Optional[jax.Array] = None, taps: Sequence[int] = (),
             logit_positions_BP: Optional[jax.Array] = None,
             write_cache: bool = True,
-            layers: Optional[Sequence[int]] = None) -> ForwardOutput:
+            layers: Optional[Sequence[int]] = None,
+            skip: Optional[jax.Array] = None) -> ForwardOutput:
   """Runs T new tokens per row on top of each row's cached prefix.
 
   Args:
@@ -286,6 +287,10 @@ def forward(params: DecoderParams, cfg: ModelConfig, tokens_BT: jax.Array,
     layers: run only these layers (static, increasing), then the final norm
       and the LM head (layer-skip drafting); the cache then holds one entry
       per layer run, and taps count the layers run. None: all.
+    skip: ``bool[L]`` (traced) layers to pass over as the identity, each
+      under a ``lax.cond`` so a skipped layer is not computed (CLaSp's
+      draft); only with ``write_cache=False`` (a skipped layer's new
+      entries are zeros).
 
   Every layer attends over the cache prefix (slots below each row's length)
   plus the new tokens' own keys/values, so both modes compute the same.
@@ -295,6 +300,9 @@ def forward(params: DecoderParams, cfg: ModelConfig, tokens_BT: jax.Array,
     taps and (not writing) the new entries.
   """
   B, T = tokens_BT.shape
+  if skip is not None and write_cache:
+    raise ValueError("skip needs write_cache=False: a skipped layer has no "
+                     "cache entries to write")
   lengths_B = cache.lengths
   run = tuple(range(cfg.num_layers)) if layers is None else tuple(layers)
   # No two positions of a row are a capacity apart (slot s holds position
@@ -320,31 +328,23 @@ def forward(params: DecoderParams, cfg: ModelConfig, tokens_BT: jax.Array,
                           and native.available())
   tables = _rope_tables(cfg, windows, positions_BT)
 
-  H = cfg.head_dim
-  scale = H ** -0.5 if cfg.query_scale is None else cfg.query_scale
   x_BTD = jnp.take(params.embed, tokens_BT, axis=0)
   if cfg.embed_scale is not None:
     x_BTD = x_BTD * jnp.asarray(cfg.embed_scale, x_BTD.dtype)
   hidden, ks, vs, new_kv = [], list(cache.k), list(cache.v), []
   for c, (i, window) in enumerate(zip(run, windows)):
-    lp = params.layers[i]
     hidden.append(x_BTD)
-    q, k, v = layer_qkv(lp, cfg, _norm(cfg, x_BTD, lp.attn_norm),
-                        tables(window))
-    if write_cache:
-      # Write first, then attend (over the prefix): reading the buffers
-      # before the write would make XLA copy them to keep the old values.
-      ks[c], vs[c] = write_kv(ks[c], vs[c], k, v, slots_BT)
-    new_kv.append((k, v))
-    if use_native_attention and window is None:
-      # The kernel scales by H ** -0.5; any other scale goes into q.
-      attn = native_attention(q * (scale * H ** 0.5) if cfg.query_scale
-                              else q, ks[c], vs[c], k, v, lengths_B, mask_BTT)
+    layer = lambda x_BTD, c=c, i=i, window=window: _layer(
+        params.layers[i], cfg, x_BTD, ks[c], vs[c], tables(window),
+        masks[window], lengths_B=lengths_B, mask_BTT=mask_BTT,
+        slots_BT=slots_BT if write_cache else None,
+        kernel=use_native_attention and window is None)
+    if skip is None:
+      x_BTD, ks[c], vs[c], kv = layer(x_BTD)
     else:
-      prefix, new = masks[window]
-      attn = attention(q, ks[c], vs[c], prefix, new=(k, v, new), scale=scale,
-                       logit_cap=cfg.attn_logit_cap)
-    x_BTD = layer_out(lp, cfg, x_BTD, attn)
+      x_BTD, kv = jax.lax.cond(skip[i], _passed_over(cfg, B, T),
+                               lambda x_BTD: layer(x_BTD)[::3], x_BTD)
+    new_kv.append(kv)
   hidden.append(x_BTD)
   new_cache = KVCache(k=tuple(ks), v=tuple(vs),
                       lengths=lengths_B + T if write_cache else lengths_B)
@@ -358,6 +358,57 @@ def forward(params: DecoderParams, cfg: ModelConfig, tokens_BT: jax.Array,
       logits=softcap(_logits(h_BTD, w_VD), cfg.final_logit_cap),
       cache=new_cache, taps=tap_out,
       new_kv=None if write_cache else tuple(new_kv))
+
+
+def _layer(lp: LayerParams, cfg: ModelConfig, x_BTD, k_BSGH, v_BSGH, rope,
+           masks, *, lengths_B, mask_BTT, slots_BT, kernel: bool):
+  """One decoder layer over each row's cached prefix and the new tokens:
+  ``(x out, keys, values, (new keys, new values))``; the new entries are
+  written at ``slots_BT`` first (None: the cache is only read). ``masks``:
+  ``_layer_masks``' pair for the layer's window; ``kernel``: the native
+  CPU kernel's attention (no window, no soft-capping)."""
+  H = cfg.head_dim
+  scale = H ** -0.5 if cfg.query_scale is None else cfg.query_scale
+  q, k, v = layer_qkv(lp, cfg, _norm(cfg, x_BTD, lp.attn_norm), rope)
+  if slots_BT is not None:
+    # Write first, then attend (over the prefix): reading the buffers
+    # before the write would make XLA copy them to keep the old values.
+    k_BSGH, v_BSGH = write_kv(k_BSGH, v_BSGH, k, v, slots_BT)
+  if kernel:  # it scales by H ** -0.5; any other scale goes into q
+    attn = native_attention(q * (scale * H ** 0.5) if cfg.query_scale else q,
+                            k_BSGH, v_BSGH, k, v, lengths_B, mask_BTT)
+  else:
+    prefix, new = masks
+    attn = attention(q, k_BSGH, v_BSGH, prefix, new=(k, v, new), scale=scale,
+                     logit_cap=cfg.attn_logit_cap)
+  return layer_out(lp, cfg, x_BTD, attn), k_BSGH, v_BSGH, (k, v)
+
+
+def _passed_over(cfg: ModelConfig, B: int, T: int):
+  """A skipped layer: the input unchanged, zero new entries."""
+  zeros = jnp.zeros((B, T, cfg.num_kv_heads, cfg.head_dim))
+  return lambda x_BTD: (x_BTD, (zeros.astype(x_BTD.dtype),) * 2)
+
+
+def run_layer(params: DecoderParams, cfg: ModelConfig, layer: int,
+              x_BTD: jax.Array, cache: KVCache, *, positions_BT: jax.Array,
+              mask_BTT: jax.Array) -> jax.Array:
+  """Layer ``layer`` alone on hidden states ``x_BTD`` at ``positions``,
+  over each row's cached prefix (read, never written) and the new states
+  ``mask_BTT`` lets each see: CLaSp's dynamic programme runs its
+  candidate states through one layer at a time with it."""
+  window = cfg.window(layer)
+  window = window if window and window < cache.capacity else None
+  prefix_B1S = jax.lax.optimization_barrier(
+      (jnp.arange(cache.capacity)[None, :] < cache.lengths[:, None])[:, None])
+  masks = _layer_masks(cfg, [window], positions_BT, prefix_B1S, mask_BTT,
+                       cache.capacity)[window]
+  kernel = (is_packed(params) and cfg.attn_logit_cap is None
+            and native.available() and window is None)
+  return _layer(params.layers[layer], cfg, x_BTD, cache.k[layer],
+                cache.v[layer], _rope_tables(cfg, [window], positions_BT)(
+                    window), masks, lengths_B=cache.lengths,
+                mask_BTT=mask_BTT, slots_BT=None, kernel=kernel)[0]
 
 
 def _logits(h_BTD: jax.Array, w_VD: jax.Array) -> jax.Array:
@@ -412,6 +463,9 @@ class Decoder:
 
   def forward(self, params, tokens_BT, cache, **kw) -> ForwardOutput:
     return forward(params, self.config, tokens_BT, cache, **kw)
+
+  def run_layer(self, params, layer, x_BTD, cache, **kw) -> jax.Array:
+    return run_layer(params, self.config, layer, x_BTD, cache, **kw)
 
   def embedding(self, params) -> jax.Array:
     return params.embed

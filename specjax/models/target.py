@@ -77,7 +77,12 @@ class Target(Protocol):
     ``positions`` (default ``lengths + arange(T)``) under ``mask_BTT``
     (which new tokens each sees; default causal). ``taps``: layer indices
     whose inputs to return (L: the last layer's output). ``layers``: run
-    only these (layer-skip), then the final norm and LM head."""
+    only these (layer-skip), then the final norm and LM head.
+
+    Optional (CLaSp's dynamic layer skipping needs it, and ``run_layer``;
+    a target without them is refused for that method alone): ``skip``, a
+    traced ``bool[L]`` of layers passed over as the identity and not
+    computed, with ``write_cache=False``."""
 
   def embedding(self, params) -> jax.Array:
     """The token embedding ``[V, D]`` (EAGLE heads read it, frozen)."""
@@ -98,6 +103,9 @@ class Target(Protocol):
     tuple naming ``kv_heads``, ``ffn``, ``vocab`` per dimension)."""
 
 
+# Optional, for CLaSp (``drafters.clasp``): ``run_layer(params, layer,
+# x_BTD, cache, *, positions_BT, mask_BTT) -> x_BTD``, one layer on hidden
+# states over the cached prefix (read only), and ``forward(..., skip=)``.
 MEMBERS = ("config", "axis_sizes", "init_cache", "forward", "embedding",
            "lm_head", "output_norm", "param_axes")
 
