@@ -85,7 +85,8 @@ def main(argv=None) -> int:
           f"{ts['draft_s']:.2f}/{ts['verify_s']:.2f}/{ts['rest_s']:.2f} |")
   if args.priors:
     fixed = [r for r in rows if not (r.get("config") or {}).get("min_confidence")
-             and not r.get("tree_nodes")]  # trees: tree_rank_acceptance.py
+             and not r.get("tree_nodes")  # trees: tree_rank_acceptance.py
+             and r["method"] not in WHOLE]
     configs = {}
     for r in rows:
       if r["method"] in WHOLE:

@@ -102,7 +102,8 @@ class LookaheadDrafter:
         window=window.reshape(B, K, W).astype(jnp.int32),
         pool=jnp.full((B, self.pool_size, K + 1), -1, jnp.int32),
         next_slot=jnp.zeros((B,), jnp.int32),
-        num_tokens=prompt.num_tokens.astype(jnp.int32))
+        # After the prefill, the prompt and its first sampled token.
+        num_tokens=(prompt.num_tokens + 1).astype(jnp.int32))
 
   def num_riders(self, num_draft: int) -> int:
     return num_draft * self.window
