@@ -313,19 +313,12 @@ def forward(params: DecoderParams, cfg: ModelConfig, tokens_BT: jax.Array,
     positions_BT = lengths_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
   if mask_BTT is None:
     mask_BTT = causal_mask(B, T)
-  # Opaque to XLA: a fresh cache's prefix mask is a constant (all False),
-  # and XLA would constant-fold every layer's masked prefill scores
-  # (~8 s a layer at a 512-token bucket) instead of computing them.
-  prefix_B1S = jax.lax.optimization_barrier(
-      (jnp.arange(cache.capacity)[None, :] < lengths_B[:, None])[:, None, :])
+  prefix_B1S = _prefix_mask(cache)
   masks = _layer_masks(cfg, windows, positions_BT, prefix_B1S, mask_BTT,
                        cache.capacity)
   slots_BT = cache.new_slots(T)
-  # Packed weights mean the native CPU path: its attention too (decode,
-  # verify, trees and prefill chunks), on the layers it computes (no window,
-  # no soft-capping).
-  use_native_attention = (is_packed(params) and cfg.attn_logit_cap is None
-                          and native.available())
+  # Decode, verify, trees and prefill chunks alike.
+  use_native_attention = _native_attention_ok(params, cfg)
   tables = _rope_tables(cfg, windows, positions_BT)
 
   x_BTD = jnp.take(params.embed, tokens_BT, axis=0)
@@ -358,6 +351,22 @@ def forward(params: DecoderParams, cfg: ModelConfig, tokens_BT: jax.Array,
       logits=softcap(_logits(h_BTD, w_VD), cfg.final_logit_cap),
       cache=new_cache, taps=tap_out,
       new_kv=None if write_cache else tuple(new_kv))
+
+
+def _prefix_mask(cache: KVCache) -> jax.Array:
+  """``bool[B, 1, S]``: each row's cache slots in use. Opaque to XLA: a
+  fresh cache's prefix mask is a constant (all False), and XLA would
+  constant-fold every layer's masked prefill scores (~8 s a layer at a
+  512-token bucket) instead of computing them."""
+  return jax.lax.optimization_barrier(
+      (jnp.arange(cache.capacity)[None, :] < cache.lengths[:, None])[:, None])
+
+
+def _native_attention_ok(params: DecoderParams, cfg: ModelConfig) -> bool:
+  """Packed weights mean the native CPU path: its attention too, on the
+  layers it computes (no window, no soft-capping)."""
+  return (is_packed(params) and cfg.attn_logit_cap is None
+          and native.available())
 
 
 def _layer(lp: LayerParams, cfg: ModelConfig, x_BTD, k_BSGH, v_BSGH, rope,
@@ -399,12 +408,9 @@ def run_layer(params: DecoderParams, cfg: ModelConfig, layer: int,
   candidate states through one layer at a time with it."""
   window = cfg.window(layer)
   window = window if window and window < cache.capacity else None
-  prefix_B1S = jax.lax.optimization_barrier(
-      (jnp.arange(cache.capacity)[None, :] < cache.lengths[:, None])[:, None])
-  masks = _layer_masks(cfg, [window], positions_BT, prefix_B1S, mask_BTT,
-                       cache.capacity)[window]
-  kernel = (is_packed(params) and cfg.attn_logit_cap is None
-            and native.available() and window is None)
+  masks = _layer_masks(cfg, [window], positions_BT, _prefix_mask(cache),
+                       mask_BTT, cache.capacity)[window]
+  kernel = _native_attention_ok(params, cfg) and window is None
   return _layer(params.layers[layer], cfg, x_BTD, cache.k[layer],
                 cache.v[layer], _rope_tables(cfg, [window], positions_BT)(
                     window), masks, lengths_B=cache.lengths,
