@@ -87,10 +87,10 @@ def main(argv=None) -> int:
     fixed = [r for r in rows if not (r.get("config") or {}).get("min_confidence")
              and not r.get("tree_nodes")  # trees: tree_rank_acceptance.py
              and r["method"] not in WHOLE]
+    from specjax.drafters.methods import MethodSpec
     configs = {}
     for r in rows:
       if r["method"] in WHOLE:
-        from specjax.drafters.methods import MethodSpec
         spec = MethodSpec(**r["config"]).text()
         task = TASK_OF.get(r["dataset"], "chat")
         c = r["costs_ms"]
