@@ -152,16 +152,59 @@ def test_skipped_layers_are_never_read():
               and np.array_equal(run.probs, clean.probs))
 
 
+def test_each_tree_node_has_the_skipping_models_best_children():
+  """Invariant: with every candidate kept, each node of CLaSp's tree that
+  has children has exactly the W best tokens of the skipping model's
+  forward over the node's root path alone on the target's cache of the
+  prefix (one sequence per node, brute force), and the tree is K deep: the block's slots, positions
+  and ancestor mask are right."""
+  cfg, params = _model(4)
+  rng = np.random.default_rng(2)
+  prompt = rng.integers(0, cfg.vocab_size, (2, 10)).astype(np.int32)
+  cache = decoder.forward(params, cfg, jnp.asarray(prompt[:, :-1]),
+                          decoder.init_cache(cfg, 2, S)).cache
+  K, W = 3, 2
+  drafter = ClaspDrafter.from_target(Decoder(cfg), 2, tree_width=W)
+  ctx = Context(tokens=jnp.asarray(prompt), num_tokens=jnp.full((2,), 10),
+                cache=cache)
+  skip = jnp.asarray([True, False, False, True])
+  state = drafter.init(None, ctx, S, K, jnp.zeros((2, 10, 5 * cfg.dim)))
+  state = state.replace(skip=jnp.broadcast_to(skip, (2, 4)),
+                        age=jnp.zeros((2,), jnp.int32))
+  C = W + (K - 1) * W * W
+  tree = jax.jit(lambda p: drafter.propose_tree(
+      p, state, ctx, None, K, C, None).tree)(params)
+  tokens, parents = np.asarray(tree.tokens), np.asarray(tree.parents)
+  assert np.asarray(tree.valid).all()
+  for b in range(2):
+    row_cache = decoder.forward(params, cfg, jnp.asarray(prompt[b:b + 1, :-1]),
+                                decoder.init_cache(cfg, 1, S)).cache
+    paths = {0: [int(tokens[b, 0])]}
+    for m in range(1, C + 1):
+      paths[m] = paths[int(parents[b, m])] + [int(tokens[b, m])]
+    assert max(map(len, paths.values())) == K + 1
+    for m, path in paths.items():
+      kids = {int(tokens[b, c]) for c in range(1, C + 1)
+              if parents[b, c] == m}
+      if not kids:
+        continue
+      logits = decoder.forward(params, cfg, jnp.asarray([path]), row_cache,
+                               skip=skip, write_cache=False).logits[0, -1]
+      assert kids == set(np.argsort(-np.asarray(logits))[:W].tolist()), m
+
+
 def test_greedy_identity_on_a_ragged_batch():
   """Invariant: at T = 0 CLaSp (the set re-chosen every step, or every
-  third) emits AR's tokens on a ragged batch, with drafts accepted."""
+  third; a chain or a tree) emits AR's tokens on a ragged batch, with
+  drafts accepted."""
   model = testing.tiny_model()
   rng = np.random.default_rng(0)
   prompts = [rng.integers(3, 37, 12).tolist() * 2,
              rng.integers(3, 37, 7).tolist()]
   ar = runner.generate_ids(model, prompts, max_new_tokens=24,
                            min_new_tokens=24)
-  for text in ("clasp:k=3:layers=2", "clasp:k=2:layers=1:refresh=3"):
+  for text in ("clasp:k=3:layers=2", "clasp:k=2:layers=1:refresh=3",
+               "clasp:k=3:layers=2:nodes=6:width=2"):
     spec = runner.generate_ids(model, prompts, max_new_tokens=24,
                                min_new_tokens=24, method=methods.build(
                                    model, methods.MethodSpec.parse(text)))

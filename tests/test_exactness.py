@@ -245,6 +245,8 @@ def long_drafters(target, tmp_path_factory):
       "layer_skip_chain": (LayerSkipDrafter.from_target(Decoder(cfg), 1),
                            params, {}),
       "clasp_chain": (ClaspDrafter.from_target(Decoder(cfg), 1), params, {}),
+      "clasp_tree": (ClaspDrafter.from_target(Decoder(cfg), 1, tree_width=2),
+                     params, dict(tree_nodes=4)),
       "medusa_chain": (MedusaDrafter(mcfg), medusa, {}),
       "medusa_static_tree_2x2": (MedusaDrafter(mcfg, tree_shape=tuple(
           tree.parse_shape("2x2"))), medusa, dict(tree_nodes=6)),
@@ -294,7 +296,7 @@ def test_lookahead_samples_the_target_exactly(target):
 
 @pytest.mark.long
 @pytest.mark.parametrize("name", ["draft_model_chain", "layer_skip_chain",
-                                  "clasp_chain",
+                                  "clasp_chain", "clasp_tree",
                                   "medusa_chain", "medusa_static_tree_2x2",
                                   "retrieval_trie",
                                   "eagle_tree_with_lookup_trie", "mtp_chain",

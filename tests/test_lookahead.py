@@ -29,24 +29,27 @@ def _own_context(level: int, col: int, window_KW: np.ndarray) -> list:
           + [window_KW[m, col] for m in range(1, level + 1)])
 
 
-def test_window_and_tree_logits_equal_each_tokens_own_forward():
+@pytest.mark.parametrize("levels", [None, 2])
+def test_window_and_tree_logits_equal_each_tokens_own_forward(levels):
   """Invariant: in the verify forward with the window riding beside a
   tree, every tree node's logits are those of the forward over the prefix
   and its root path alone, and every window token's those of the forward
   over the prefix, the root and exactly what it may see (brute force, one
-  sequence per token): the two branches never see each other."""
+  sequence per token): the two branches never see each other. The window
+  has as many levels as the tree is deep, or fewer."""
   cfg, params = testing.tiny()
   rng = np.random.default_rng(4)
   prefix = rng.integers(0, cfg.vocab_size, 9)
   nodes = rng.integers(0, cfg.vocab_size, 5)  # node 0 is the root
   parents = [0, 0, 0, 1, 3]
   K, W = 3, 4
-  drafter = LookaheadDrafter(window=W, width=2)
+  L = levels or K
+  drafter = LookaheadDrafter(window=W, levels=levels, width=2)
   ctx = Context(tokens=jnp.asarray(prefix[None].astype(np.int32)),
                 num_tokens=jnp.asarray([9], jnp.int32))
   state = drafter.init(None, ctx, S, K)
   state = state.replace(window=jnp.asarray(
-      rng.integers(0, cfg.vocab_size, (1, K, W)), jnp.int32))
+      rng.integers(0, cfg.vocab_size, (1, L, W)), jnp.int32))
   riders = drafter.propose_tree(None, state, ctx, None, K, 4, None).riders
   tree = trees.Tree(tokens=jnp.asarray(nodes[None], jnp.int32),
                     parents=jnp.asarray([parents], jnp.int32),
@@ -70,7 +73,7 @@ def test_window_and_tree_logits_equal_each_tokens_own_forward():
       path, a = [nodes[a]] + path, parents[a]
     seqs.append([nodes[0]] + path)
   seqs += [[nodes[0]] + _own_context(l, i, window)
-           for l in range(K) for i in range(W)]
+           for l in range(L) for i in range(W)]
   full = [np.concatenate([prefix, s]) for s in seqs]
   width = max(map(len, full))
   alone = jax.jit(lambda params: decoder.forward(
@@ -116,6 +119,27 @@ def test_greedy_identity_and_the_pool_alone_is_accepted():
     assert spec.num_steps < ar.num_steps
 
 
+def test_fewer_levels_than_the_trie_is_deep():
+  """Invariant: a window of L = 2 levels under a trie K = 4 deep emits AR's
+  tokens on a ragged batch, with L x W riders a step; the pool's n-grams
+  are L + 1 tokens while the context's match still drafts K deep."""
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(3, 37, 12).tolist() * 2,
+             rng.integers(3, 37, 7).tolist()]
+  drafter = LookaheadDrafter(window=4, levels=2, width=3)
+  assert drafter.num_riders(4) == 8
+  ar, spec = _tiny_rows(drafter, 4, 10, prompts)
+  assert [r.output_ids for r in spec.rows] == [r.output_ids for r in ar.rows]
+  assert sum(sum(r.accepted_at) for r in spec.rows) > 0
+  ctx = Context(tokens=jnp.asarray([[1, 2, 3, 4, 5, 6, 1, 2, 3]], jnp.int32),
+                num_tokens=jnp.asarray([9], jnp.int32))
+  state = drafter.init(None, ctx, S, 4)
+  assert state.pool.shape == (1, 512, 3)
+  tree = drafter.propose_tree(None, state, ctx, None, 4, 10, None).tree
+  depths = trees.depths(trees.ancestors(tree.parents, tree.valid))
+  assert int(jnp.max(jnp.where(tree.valid, depths, 0))) == 4
+
+
 def test_the_pool_keeps_each_ngram_once_in_a_ring():
   """Invariant: ``ridden`` pools each column's diagonal (its levels, then
   the target's new token), skips n-grams already held or repeated in the
@@ -159,6 +183,12 @@ def test_lookahead_drafts_trees_only():
     methods.MethodSpec.parse("lookahead:window=0")
   with pytest.raises(methods.MethodError, match="window is for lookahead"):
     methods.MethodSpec.parse("ngram:window=3")
+  with pytest.raises(methods.MethodError, match=r"levels must be in \[0, "
+                     r"num_draft=2\], got 3"):
+    methods.MethodSpec.parse("lookahead:k=2:levels=3")
+  with pytest.raises(ValueError, match="levels 5 exceed the trie's depth"):
+    engine.DecodeConfig(capacity=S, drafter=LookaheadDrafter(levels=5),
+                        num_draft=3, tree_nodes=6)
 
 
 REPEAT = ("Repeat the following paragraph exactly, word for word:\n\n"

@@ -147,6 +147,8 @@ class DecodeConfig:
     if isinstance(self.drafter, RidingDrafter) and not self.tree_nodes:
       raise ValueError(f"{type(self.drafter).__name__} drafts trees only "
                        "(its riders are scored beside one): give tree_nodes")
+    if isinstance(self.drafter, RidingDrafter):
+      self.drafter.num_riders(self.k)  # refuses a K it cannot ride beside
     if self.tree_nodes > trees.MAX_NODES:
       raise ValueError(f"tree_nodes={self.tree_nodes} is more than "
                        f"{trees.MAX_NODES}, the largest tree specjax builds")

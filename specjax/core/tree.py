@@ -302,6 +302,42 @@ def union(first: Tree, second: Tree, max_depth: int) -> Tree:
               jnp.concatenate([n1, n2], axis=1), num_nodes)
 
 
+def best_first(score_BW: jax.Array, tok_BW: jax.Array, grow, nodes, shared,
+               num_levels: int):
+  """EAGLE-2's dynamic tree candidates, level by level: the W best tokens
+  under the root (``tok``, their log-probabilities ``score``), then under
+  each of the W best nodes of the level before (by cumulative
+  log-probability), their W best children. ``grow(level, tokens [B, W], nodes, shared) -> (logp
+  [B, W, W], children [B, W, W], nodes, shared)`` scores the frontier's
+  children; ``nodes`` (leaves ``[B, W, ...]``, one per frontier node) is
+  passed on to each picked child from its parent, ``shared`` as is.
+  Returns ``(tokens, scores, parents)`` for ``select``, each ``[B, C]``
+  with C = W + (num_levels - 1) W² in level order (parents -1 for the
+  root's children)."""
+  B, W = tok_BW.shape
+  toks, scores = [tok_BW.astype(jnp.int32)], [score_BW]
+  parents = [jnp.full((B, W), -1, jnp.int32)]
+  node_BW = jnp.broadcast_to(jnp.arange(W, dtype=jnp.int32), (B, W))
+  first = W  # candidate index of the next level's first entry
+  for level in range(num_levels - 1):
+    lp_BWW, kid_BWW, nodes, shared = grow(level, tok_BW, nodes, shared)
+    cum_BX = (score_BW[..., None] + lp_BWW).reshape(B, W * W)
+    toks.append(kid_BWW.reshape(B, W * W).astype(jnp.int32))
+    scores.append(cum_BX)
+    parents.append(jnp.repeat(node_BW, W, axis=1))
+    # The next frontier: the W best of these W * W children.
+    _, pick_BW = jax.lax.top_k(cum_BX, W)
+    from_BW = pick_BW // W  # which frontier node is the parent
+    nodes = jax.tree.map(lambda a: jnp.take_along_axis(a, from_BW.reshape(
+        (B, W) + (1,) * (a.ndim - 2)), axis=1), nodes)
+    tok_BW = jnp.take_along_axis(toks[-1], pick_BW, axis=1)
+    score_BW = jnp.take_along_axis(cum_BX, pick_BW, axis=1)
+    node_BW = first + pick_BW
+    first += W * W
+  return (jnp.concatenate(toks, 1), jnp.concatenate(scores, 1),
+          jnp.concatenate(parents, 1))
+
+
 def select(root_B: jax.Array, tokens_BC: jax.Array, scores_BC: jax.Array,
            parents_BC: jax.Array, num_nodes: int) -> Tree:
   """The tree of the ``num_nodes`` best-scoring candidates (EAGLE-2's

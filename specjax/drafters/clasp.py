@@ -23,6 +23,15 @@ never writing it: each draft step re-feeds the newest token and the drafts
 so far (K tokens, causal), which on a CPU costs about a one-token forward.
 The drafts are sampled from the skipping model's warped distributions and
 verified as any chain, so the output follows the target at any temperature.
+
+``propose_tree`` drafts an EAGLE-2 dynamic tree with the skipping model
+instead (``trees.best_first``: the W best children of each level's W best
+nodes, then the ``num_nodes`` best by cumulative log-probability). Its
+block holds the root and W slots per level after it, K levels; each level
+re-feeds the whole block under the tree's ancestor mask (the slots not yet
+filled see only themselves) and reads the frontier's logits. The tree is
+the skipping model's top-k, no draws, so ``verify_tree`` is exact.
+
 The skip set is re-chosen every ``refresh`` steps (1: every step).
 """
 
@@ -36,8 +45,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from specjax.core import tree as trees
 from specjax.core.rows import at_rows
-from specjax.drafters.base import Context, Proposal
+from specjax.drafters.base import Context, Proposal, TreeProposal
 from specjax.drafters.chain import draft_chain
 from specjax.models.target import Target
 
@@ -68,18 +78,22 @@ class ClaspDrafter:
     num_skipped: M, the layers each draft passes over.
     refresh: steps between two choices of the skip set.
     min_confidence: dynamic K threshold on the draft's top probability.
+    tree_width: W, a tree's children per frontier node and frontier nodes
+      per level.
   """
   target: Target
   num_skipped: int
   refresh: int = 1
   min_confidence: float = 0.0
+  tree_width: int = 4
   feature_taps: tuple[int, ...] = ()
   needs_params: ClassVar[bool] = True  # the target's weights
   reads_target_cache: ClassVar[bool] = True
 
   @classmethod
   def from_target(cls, target: Target, num_layers: int, refresh: int = 1,
-                  min_confidence: float = 0.0) -> "ClaspDrafter":
+                  min_confidence: float = 0.0,
+                  tree_width: int = 4) -> "ClaspDrafter":
     """The drafter that runs ``num_layers`` of the target's layers."""
     depth = target.config.num_layers
     if not 1 <= num_layers < depth:
@@ -88,10 +102,11 @@ class ClaspDrafter:
     if not callable(getattr(target, "run_layer", None)):
       raise ValueError(f"clasp needs a target with run_layer (one layer on "
                        f"hidden states); {type(target).__name__} has none")
-    if refresh < 1:
-      raise ValueError(f"refresh must be >= 1, got {refresh}")
+    if refresh < 1 or tree_width < 1:
+      raise ValueError(f"refresh and tree width must be >= 1, got "
+                       f"{refresh} and {tree_width}")
     return cls(target, depth - num_layers, refresh, min_confidence,
-               tuple(range(depth + 1)))
+               tree_width, tuple(range(depth + 1)))
 
   def _hidden(self, features, at_B):
     """``[B, L + 1, D]``: the features of position ``at`` per row, split
@@ -120,16 +135,21 @@ class ClaspDrafter:
         hidden=jnp.where((at_B >= 0)[:, None, None], hidden, state.hidden),
         num_tokens=ctx.num_tokens)
 
-  def propose(self, params, state: ClaspState, ctx: Context, key, num_draft,
-              sampling) -> Proposal:
+  def _skip(self, params, state: ClaspState, ctx: Context):
+    """``(skip bool[L], state)``: the set chosen afresh when ``refresh``
+    steps have passed, else the one held."""
     fresh = state.age[0] >= self.refresh
     skip_L = jax.lax.cond(
         fresh, lambda: choose_skip(self.target, params, state.hidden,
                                    ctx.cache, self.num_skipped),
         lambda: state.skip[0])
-    state = state.replace(
+    return skip_L, state.replace(
         skip=jnp.broadcast_to(skip_L, state.skip.shape),
         age=jnp.where(fresh, 1, state.age + 1))
+
+  def propose(self, params, state: ClaspState, ctx: Context, key, num_draft,
+              sampling) -> Proposal:
+    skip_L, state = self._skip(params, state, ctx)
     B, K = ctx.tokens.shape[0], num_draft
     block_BK = jnp.zeros((B, K), jnp.int32).at[:, 0].set(ctx.newest())
 
@@ -148,6 +168,45 @@ class ClaspDrafter:
         sampling, self.min_confidence)
     return Proposal(tokens=drafts_BK, probs=probs_BKV, num_drafted=num_B,
                     state=state)
+
+  def propose_tree(self, params, state: ClaspState, ctx: Context, key,
+                   num_draft, num_nodes, sampling) -> TreeProposal:
+    """An EAGLE-2 dynamic tree of the skipping model (module doc)."""
+    del key, sampling  # the tree is the skipping model's top-k: no draws
+    skip_L, state = self._skip(params, state, ctx)
+    B, W, K = ctx.tokens.shape[0], self.tree_width, num_draft
+    T = 1 + (K - 1) * W  # the root, then W slots per level
+    depth_T = jnp.asarray(np.concatenate([[0], np.repeat(np.arange(1, K), W)]))
+    positions_BT = ctx.cache.lengths[:, None] + depth_T[None, :]
+    eye_TT = jnp.eye(T, dtype=bool)
+    root_B = ctx.newest()
+
+    def logp(block_BT, anc_BTT, at_BX):
+      logits_BXV = self.target.forward(
+          params, block_BT, ctx.cache, skip=skip_L, write_cache=False,
+          positions_BT=positions_BT, mask_BTT=anc_BTT,
+          logit_positions_BP=at_BX).logits
+      return jax.nn.log_softmax(logits_BXV.astype(jnp.float32))
+
+    def grow(level, tok_BW, anc_BWT, shared):
+      block_BT, anc_BTT = shared
+      slots_W = 1 + level * W + jnp.arange(W)
+      anc_BWT = anc_BWT | eye_TT[slots_W][None]
+      block_BT = block_BT.at[:, slots_W].set(tok_BW)
+      anc_BTT = anc_BTT.at[:, slots_W].set(anc_BWT)
+      lp_BWW, kid_BWW = jax.lax.top_k(
+          logp(block_BT, anc_BTT, jnp.broadcast_to(slots_W, (B, W))), W)
+      return lp_BWW, kid_BWW, anc_BWT, (block_BT, anc_BTT)
+
+    block_BT = jnp.zeros((B, T), jnp.int32).at[:, 0].set(root_B)
+    anc_BTT = jnp.broadcast_to(eye_TT, (B, T, T))
+    score_BW, tok_BW = jax.lax.top_k(
+        logp(block_BT, anc_BTT, jnp.zeros((B, 1), jnp.int32))[:, 0], W)
+    anc_BWT = jnp.broadcast_to(eye_TT[0], (B, W, T))
+    tokens_BC, scores_BC, parents_BC = trees.best_first(
+        score_BW, tok_BW, grow, anc_BWT, (block_BT, anc_BTT), K)
+    tree = trees.select(root_B, tokens_BC, scores_BC, parents_BC, num_nodes)
+    return TreeProposal(tree=tree, state=state)
 
 
 def _cosine(a_BMD: jax.Array, x_BD: jax.Array) -> jax.Array:

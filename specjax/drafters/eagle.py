@@ -279,45 +279,27 @@ class EagleDrafter:
         valid=jnp.ones((B, M), bool)), state
 
   def _expand(self, params, state: EagleState, stable_B, a_BD, num_draft):
-    """Candidates of an EAGLE-2 tree, level by level: the W = tree_width
-    best tokens under the root, then under each of the W best nodes (by
-    cumulative log-probability) of the level before, fed to the head as one
-    block of W pairs at position ``stable + level`` that sees the prefix,
-    its ancestors' scratch entries and itself. Returns ``(tokens, scores,
-    parents)``, each ``[B, C]`` with C = W + (K - 1) W² in level order
-    (parents -1 for the root's children)."""
+    """Candidates of an EAGLE-2 tree (``trees.best_first``), W =
+    tree_width: each level's frontier is fed to the head as one block of W
+    pairs at position ``stable + level`` that sees the prefix, its
+    ancestors' scratch entries and itself. Returns ``(tokens, scores,
+    parents)``, each ``[B, C]``, C = W + (K - 1) W²."""
     B, W, S = a_BD.shape[0], self.tree_width, state.cache.capacity
     top = lambda out_BXD: self._top(params, out_BXD, W)
 
-    score_BW, tok_BW = (x[:, 0] for x in top(a_BD[:, None]))
-    toks, scores = [tok_BW], [score_BW]
-    parents = [jnp.full((B, W), -1, jnp.int32)]
-    feat_BWD = jnp.broadcast_to(a_BD[:, None], (B, W, a_BD.shape[-1]))
-    node_BW = jnp.broadcast_to(jnp.arange(W, dtype=jnp.int32), (B, W))
-    seen_BWS = jnp.broadcast_to((jnp.arange(S)[None, :] < stable_B[:, None]
-                                 )[:, None], (B, W, S))
-    first = W  # candidate index of the next level's first entry
-    for level in range(num_draft - 1):
+    def grow(level, tok_BW, nodes, state):
+      feat_BWD, seen_BWS = nodes
       slots_BW = stable_B[:, None] + level * W + jnp.arange(W)[None, :]
       seen_BWS = seen_BWS | (jnp.arange(S)[None, None, :]
                              == slots_BW[..., None])
       out_BWD, state = self._run(
           params, state, tok_BW, feat_BWD, slots_BW,
           jnp.broadcast_to(stable_B[:, None] + level, (B, W)), seen_BWS)
-      lp_BWW, kid_BWW = top(out_BWD)
-      cum_BX = (score_BW[..., None] + lp_BWW).reshape(B, W * W)
-      toks.append(kid_BWW.reshape(B, W * W))
-      scores.append(cum_BX)
-      parents.append(jnp.repeat(node_BW, W, axis=1))
-      # The next frontier: the W best of these W * W children.
-      _, pick_BW = jax.lax.top_k(cum_BX, W)
-      from_BW = pick_BW // W  # which frontier node is the parent
-      take = lambda a: jnp.take_along_axis(a, from_BW.reshape(
-          (B, W) + (1,) * (a.ndim - 2)), axis=1)
-      tok_BW = jnp.take_along_axis(toks[-1], pick_BW, axis=1)
-      score_BW = jnp.take_along_axis(cum_BX, pick_BW, axis=1)
-      feat_BWD, seen_BWS = take(out_BWD), take(seen_BWS)
-      node_BW = first + pick_BW
-      first += W * W
-    return (jnp.concatenate(toks, 1), jnp.concatenate(scores, 1),
-            jnp.concatenate(parents, 1))
+      return (*top(out_BWD), (out_BWD, seen_BWS), state)
+
+    score_BW, tok_BW = (x[:, 0] for x in top(a_BD[:, None]))
+    feat_BWD = jnp.broadcast_to(a_BD[:, None], (B, W, a_BD.shape[-1]))
+    seen_BWS = jnp.broadcast_to((jnp.arange(S)[None, :] < stable_B[:, None]
+                                 )[:, None], (B, W, S))
+    return trees.best_first(score_BW, tok_BW, grow, (feat_BWD, seen_BWS),
+                            state, num_draft)

@@ -1,6 +1,6 @@
 """Lookahead decoding: the target drafts for itself by Jacobi iteration.
 
-No draft weights, no data. Each row keeps a window of K levels by W columns
+No draft weights, no data. Each row keeps a window of L levels by W columns
 of guessed tokens, and a pool of n-grams the target produced from it. Every
 step the target scores, in its one verify forward, the row's newest token,
 a trie of candidate continuations, and the window beside them (its
@@ -12,8 +12,8 @@ a trie of candidate continuations, and the window beside them (its
   nodes never see the window, the window never sees the trie.
 
 The target's greedy token at the last level's columns continues each
-column's diagonal: ``(level 0, ..., level K - 1, that token)`` is an n-gram
-of K + 1 tokens the target itself strung together, and goes into the pool
+column's diagonal: ``(level 0, ..., level L - 1, that token)`` is an n-gram
+of L + 1 tokens the target itself strung together, and goes into the pool
 (key: its first token). The window then moves one level on (the new tokens
 become its last level) and, when the step committed more than one token,
 its columns shift left by the extra tokens, so a column stays at the
@@ -23,8 +23,9 @@ Candidates for the next step are the trie, under the newest token, of the
 row's own context's continuations (prompt lookup: ``NGramDrafter``'s best
 suffix matches, which covers what seeding the pool with the prompt's
 n-grams would, and finds longer matches first) and of the ``width`` newest
-pool n-grams keyed by that token. The trie depends only on committed tokens and on the target's
-greedy outputs at earlier steps, never on this step's draws, so
+pool n-grams keyed by that token, K deep (the engine's ``num_draft``; the
+pool's paths are L <= K deep, the context's up to K). The trie depends
+only on committed tokens and on the target's greedy outputs at earlier steps, never on this step's draws, so
 ``verify_tree`` is exact at every temperature: the longest greedy match at
 T = 0, the target's distribution at T > 0 (``core.tree``).
 
@@ -52,8 +53,8 @@ from specjax.drafters.ngram import NGramDrafter
 @struct.dataclass
 class LookaheadState:
   """Attributes:
-    window: ``int32[B, K, W]`` the Jacobi window, level 0 first.
-    pool: ``int32[B, P, K + 1]`` n-grams, each its key then K tokens
+    window: ``int32[B, L, W]`` the Jacobi window, level 0 first.
+    pool: ``int32[B, P, L + 1]`` n-grams, each its key then L tokens
       (key -1: an empty slot).
     next_slot: ``int32[B]`` where the pool writes next (a ring).
     num_tokens: ``int32[B]`` the committed tokens the window is placed for.
@@ -67,8 +68,9 @@ class LookaheadState:
 @dataclasses.dataclass(frozen=True)
 class LookaheadDrafter:
   """Attributes:
-    window: W, the Jacobi window's columns (its levels are K, the engine's
-      ``num_draft``: the n-grams are K + 1 tokens).
+    window: W, the Jacobi window's columns.
+    levels: L, the window's levels: the pool's n-grams are L + 1 tokens
+      (None: the engine's ``num_draft``, the trie's depth; at most that).
     width: n-grams from the pool merged into the trie (the context gives
       its drafter's ``num_paths`` continuations).
     pool_size: n-grams a row's pool holds.
@@ -76,6 +78,7 @@ class LookaheadDrafter:
       (None: the pool's n-grams alone).
   """
   window: int = 4
+  levels: Optional[int] = None
   width: int = 4
   pool_size: int = 512
   context: Optional[NGramDrafter] = NGramDrafter()
@@ -84,8 +87,8 @@ class LookaheadDrafter:
   needs_params: ClassVar[bool] = False
 
   def __post_init__(self):
-    for name in ("window", "width", "pool_size"):
-      if getattr(self, name) < 1:
+    for name in ("window", "levels", "width", "pool_size"):
+      if getattr(self, name) is not None and getattr(self, name) < 1:
         raise ValueError(f"lookahead {name} must be >= 1, got "
                          f"{getattr(self, name)}")
 
@@ -93,20 +96,28 @@ class LookaheadDrafter:
            features=None) -> LookaheadState:
     """An empty pool, and a window of the prompt's last tokens."""
     del params, capacity, features
-    B, K, W = prompt.tokens.shape[0], num_draft, self.window
-    back_E = jnp.arange(K * W)[None, :]
+    B, L, W = prompt.tokens.shape[0], self._levels(num_draft), self.window
+    back_E = jnp.arange(L * W)[None, :]
     idx_BE = jnp.mod(prompt.num_tokens[:, None] - 1 - back_E,
                      prompt.num_tokens[:, None])
     window = jnp.take_along_axis(prompt.tokens, idx_BE, axis=1)
     return LookaheadState(
-        window=window.reshape(B, K, W).astype(jnp.int32),
-        pool=jnp.full((B, self.pool_size, K + 1), -1, jnp.int32),
+        window=window.reshape(B, L, W).astype(jnp.int32),
+        pool=jnp.full((B, self.pool_size, L + 1), -1, jnp.int32),
         next_slot=jnp.zeros((B,), jnp.int32),
         # After the prefill, the prompt and its first sampled token.
         num_tokens=(prompt.num_tokens + 1).astype(jnp.int32))
 
+  def _levels(self, num_draft: int) -> int:
+    if self.levels is None:
+      return num_draft
+    if self.levels > num_draft:
+      raise ValueError(f"lookahead levels {self.levels} exceed the trie's "
+                       f"depth k={num_draft}")
+    return self.levels
+
   def num_riders(self, num_draft: int) -> int:
-    return num_draft * self.window
+    return self._levels(num_draft) * self.window
 
   def propose(self, params, state, ctx, key, num_draft, sampling):
     raise ValueError("lookahead drafts trees (its window rides beside one): "
@@ -116,32 +127,34 @@ class LookaheadDrafter:
                    num_draft, num_nodes, sampling) -> TreeProposal:
     del params, key, sampling
     K = num_draft
-    paths_BPK, lengths_BP = self._pooled(state, ctx.newest())
+    grams_BPL, lengths_BP = self._pooled(state, ctx.newest())
+    paths_BPK = jnp.pad(grams_BPL, ((0, 0), (0, 0),
+                                    (0, K - grams_BPL.shape[-1])))
     if self.context is not None:
       own_BPK, own_BP = self.context.paths(None, ctx, K)
       paths_BPK = jnp.concatenate([own_BPK, paths_BPK], axis=1)
       lengths_BP = jnp.concatenate([own_BP, lengths_BP], axis=1)
     tree = trie(ctx.newest(), paths_BPK, lengths_BP, num_nodes)
-    B, _, W = state.window.shape
-    offsets_E, sees_EE = window_layout(K, W)
-    riders = Riders(tokens=state.window.reshape(B, K * W),
+    B, L, W = state.window.shape
+    offsets_E, sees_EE = window_layout(L, W)
+    riders = Riders(tokens=state.window.reshape(B, L * W),
                     offsets=jnp.asarray(offsets_E),
                     sees=jnp.asarray(sees_EE))
     return TreeProposal(tree=tree, state=state, riders=riders)
 
   def _pooled(self, state: LookaheadState, newest_B: jax.Array):
     """The pool's ``width`` newest n-grams keyed by each row's newest token:
-    ``(tokens [B, width, K], lengths [B, width])`` (length 0: none)."""
+    ``(tokens [B, width, L], lengths [B, width])`` (length 0: none)."""
     P = self.pool_size
     age_P = jnp.arange(P)[None, :]
     age_BP = jnp.mod(state.next_slot[:, None] - 1 - age_P, P)
     hit_BP = state.pool[:, :, 0] == newest_B[:, None]
     score_BG, slot_BG = jax.lax.top_k(jnp.where(hit_BP, P - age_BP, -1),
                                       min(self.width, P))
-    grams_BGK = jnp.take_along_axis(state.pool[:, :, 1:], slot_BG[..., None],
+    grams_BGL = jnp.take_along_axis(state.pool[:, :, 1:], slot_BG[..., None],
                                     axis=1)
-    K = grams_BGK.shape[-1]
-    return grams_BGK, jnp.where(score_BG >= 0, K, 0).astype(jnp.int32)
+    L = grams_BGL.shape[-1]
+    return grams_BGL, jnp.where(score_BG >= 0, L, 0).astype(jnp.int32)
 
   def ridden(self, params, state: LookaheadState, ctx: Context,
              greedy_BE: jax.Array) -> LookaheadState:
@@ -149,8 +162,8 @@ class LookaheadDrafter:
     each rider, ``greedy``) and the step committed ``ctx``: the diagonals'
     n-grams pooled, the window a level on and shifted to the new context."""
     del params
-    B, K, W = state.window.shape
-    new_BW = greedy_BE.reshape(B, K, W)[:, -1]
+    B, L, W = state.window.shape
+    new_BW = greedy_BE.reshape(B, L, W)[:, -1]
     grams_BWN = jnp.concatenate([state.window, new_BW[:, None]],
                                 axis=1).transpose(0, 2, 1)
     state = self._pooled_in(state, grams_BWN)
@@ -158,7 +171,7 @@ class LookaheadDrafter:
     cols_BW = jnp.minimum(jnp.arange(W)[None, :] + moved_B[:, None], W - 1)
     window = jnp.concatenate([state.window[:, 1:], new_BW[:, None]], axis=1)
     window = jnp.take_along_axis(window, jnp.broadcast_to(
-        cols_BW[:, None], (B, K, W)), axis=2)
+        cols_BW[:, None], (B, L, W)), axis=2)
     return state.replace(window=window, num_tokens=ctx.num_tokens)
 
   def _pooled_in(self, state: LookaheadState,

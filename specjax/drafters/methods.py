@@ -39,7 +39,7 @@ KNOBS = {"k": "num_draft", "nodes": "tree_nodes", "width": "tree_width",
          "shape": "tree_shape", "lookup": "lookup_nodes", "layers": "layers",
          "conf": "min_confidence", "draft": "draft_model", "head": "head",
          "conversations": "datastore_conversations", "window": "window",
-         "refresh": "refresh"}
+         "levels": "levels", "refresh": "refresh"}
 
 
 def parse_knobs(text: str) -> tuple[str, dict]:
@@ -111,15 +111,19 @@ class MethodSpec:
       directory (None = the one shipped for the model).
     tree_nodes: 0 for chains; else draft trees of up to this many nodes,
       ``num_draft`` deep (drafters with ``propose_tree``: "ngram",
-      "retrieval", "ngram+retrieval", "eagle", "eagle3", "mtp", and "medusa" with a
-      ``tree_shape``).
+      "retrieval", "ngram+retrieval", "lookahead", "clasp", "eagle",
+      "eagle3", "mtp", and "medusa" with a ``tree_shape``).
     tree_width: a tree's branching: n-gram matches merged into the trie,
-      or EAGLE's top-k per expanded node and nodes expanded per level.
+      or EAGLE's and CLaSp's top-k per expanded node and nodes expanded
+      per level.
     tree_shape: EAGLE and Medusa heads: a static tree (``tree.parse_shape``:
       ``"2x2x1"`` or rank paths); it sets ``tree_nodes`` and ``num_draft``.
-    window: "lookahead": the Jacobi window's columns W (its levels are
-      ``num_draft``; its n-grams K + 1 tokens). The method drafts trees
-      only: ``tree_nodes`` 0 means ``num_draft * tree_width``.
+    window: "lookahead": the Jacobi window's columns W. The method drafts
+      trees only: ``tree_nodes`` 0 means ``num_draft * tree_width``.
+    levels: "lookahead": the window's levels L, at most ``num_draft``; its
+      n-grams are L + 1 tokens (0: ``num_draft``). Fewer levels than the
+      trie's depth keep the verify narrow while the context's matches
+      still draft ``num_draft`` deep.
     lookup_nodes: EAGLE and Medusa trees: this many of the ``tree_nodes``
       come from the n-gram-then-retrieval trie ("ngram+retrieval"), merged
       with the head's tree (``drafters.union``); with a ``tree_shape`` they
@@ -138,6 +142,7 @@ class MethodSpec:
   tree_shape: str = ""
   lookup_nodes: int = 0
   window: int = 4
+  levels: int = 0
   refresh: int = 1
 
   def __post_init__(self):
@@ -146,7 +151,7 @@ class MethodSpec:
       raise MethodError(f"unknown method {self.name!r} (choose from "
                         f"{', '.join(METHODS)})")
     for field in ("num_draft", "tree_nodes", "tree_width", "lookup_nodes",
-                  "window", "refresh"):
+                  "window", "levels", "refresh"):
       require_int(field, getattr(self, field))
     if not isinstance(self.min_confidence, (int, float)) or isinstance(
         self.min_confidence, bool):
@@ -158,6 +163,8 @@ class MethodSpec:
         ("tree_width", self.tree_width >= 1, ">= 1"),
         ("lookup_nodes", self.lookup_nodes >= 0, ">= 0"),
         ("window", self.window >= 1, ">= 1"),
+        ("levels", 0 <= self.levels <= max(self.num_draft, 1),
+         f"in [0, num_draft={self.num_draft}]"),
         ("refresh", self.refresh >= 1, ">= 1"),
         ("min_confidence", 0 <= self.min_confidence < 1, "in [0, 1)")):
       if not ok:  # NaN fails its rule
@@ -272,9 +279,9 @@ class _Own:
           f"{', '.join(DYNAMIC_K)}; {self.spec.label()} would ignore it")
     if self.spec.tree_width != _DEFAULT_WIDTH and not self.widens():
       raise MethodError(
-          f"tree_width is for dynamic trees (ngram, ngram+retrieval, eagle, "
-          f"eagle3, mtp, or a head's lookup trie); {self.spec.label()} would "
-          "ignore it")
+          f"tree_width is for dynamic trees (ngram, ngram+retrieval, "
+          f"lookahead, clasp, eagle, eagle3, mtp, or a head's lookup trie); "
+          f"{self.spec.label()} would ignore it")
 
   def widens(self) -> bool:
     """Whether ``tree_width`` shapes this method's trees."""
@@ -330,14 +337,16 @@ class _Lookup(_Own):
 class _Lookahead(_Own):
   """Jacobi iteration's n-grams and the row's own context: a trie beside
   the window the target scores in the same forward."""
-  READS = frozenset({"num_draft", "tree_nodes", "tree_width", "window"})
+  READS = frozenset({"num_draft", "tree_nodes", "tree_width", "window",
+                     "levels"})
 
   def widens(self):
     return True
 
   def build(self, model):
     from specjax.drafters import LookaheadDrafter, NGramDrafter
-    return LookaheadDrafter(window=self.window, width=self.tree_width,
+    return LookaheadDrafter(window=self.window, levels=self.levels or None,
+                            width=self.tree_width,
                             context=NGramDrafter(num_paths=self.tree_width)
                             ), None
 
@@ -364,14 +373,19 @@ class _LayerSkip(_Own):
 
 class _Clasp(_Own):
   """The target drafting with the layers a dynamic programme skips."""
-  READS = frozenset({"num_draft", "min_confidence", "layers", "refresh"})
+  READS = frozenset({"num_draft", "tree_nodes", "tree_width",
+                     "min_confidence", "layers", "refresh"})
+
+  def widens(self):
+    return True
 
   def build(self, model):
     from specjax.drafters import ClaspDrafter
     layers = self.layers if self.layers is not None else default_layers(model)
     try:
-      return (ClaspDrafter.from_target(model.target, layers, self.refresh,
-                                       self.min_confidence), model.params)
+      return (ClaspDrafter.from_target(
+          model.target, layers, self.refresh, self.min_confidence,
+          self.tree_width), model.params)
     except ValueError as e:
       raise MethodError(str(e)) from None
 
