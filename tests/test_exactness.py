@@ -18,7 +18,7 @@ Fast stage: a sampled chain whose draft vocabulary is smaller than V (an
 EAGLE-3 head, Vd = 10), a deterministic chain (n-gram), a model tree (EAGLE-2
 dynamic) and a static tree (the head's 2x2). Long stage: AR (the reference
 agrees with specjax's sampler), the other drafters (draft model, layer-skip,
-CLaSp, lookahead, Medusa chain and tree, an MTP module's chain and dynamic
+CLaSp chain and tree, lookahead, a P-EAGLE block chain, Medusa chain and tree, an MTP module's chain and dynamic
 tree, retrieval, the head's tree merged with the lookup trie) and the
 mutations the check must catch.
 
@@ -179,7 +179,8 @@ def _head(target, variant="eagle3", **overrides):
   from specjax.training.train import init_head
   cfg, params = target[:2]
   V = cfg.vocab_size
-  taps = dict(taps=(0, 1, 2)) if variant == "eagle3" else {}  # L = 2
+  taps = (dict(taps=(0, 1, 2)) if variant in ("eagle3", "peagle")
+          else {})  # L = 2
   hcfg = HeadConfig.for_target(cfg, VD, variant=variant, **taps, **overrides)
   stream = np.random.default_rng(1).zipf(1.5, 400) % V
   vocab = build_draft_vocab([stream], V, hcfg.draft_vocab)
@@ -187,9 +188,9 @@ def _head(target, variant="eagle3", **overrides):
   return hcfg, head, jnp.asarray(vocab.ids)
 
 
-def _eagle(target):
+def _eagle(target, variant="eagle3", **overrides):
   from specjax.drafters.eagle import EagleParams
-  hcfg, head, ids = _head(target)
+  hcfg, head, ids = _head(target, variant, **overrides)
   cfg, params = target[:2]
   return hcfg, EagleParams(head=head, draft_ids=ids,
                            embed=Decoder(cfg).embedding(params))
@@ -201,7 +202,9 @@ def fast_drafters(target):
   from specjax.drafters import LookaheadDrafter, NGramDrafter
   from specjax.drafters.eagle import EagleDrafter
   hcfg, eagle = _eagle(target)
+  pcfg, peagle = _eagle(target, "peagle", mask_token=15)
   return {
+      "peagle_block_chain": (EagleDrafter(pcfg), peagle, {}),
       "lookahead_trie": (LookaheadDrafter(window=3, width=2), None,
                          dict(tree_nodes=4)),
       "eagle3_chain_small_vocab": (EagleDrafter(hcfg), eagle, {}),
@@ -279,7 +282,8 @@ def test_plain_sampling_is_the_reference(target):
 @pytest.mark.parametrize("name", [
     "eagle3_chain_small_vocab", "ngram_chain", "eagle2_dynamic_tree",
     # verify_tree as the dynamic tree; its own case is in the long stage.
-    pytest.param("eagle_static_tree_2x2", marks=pytest.mark.long)])
+    pytest.param("eagle_static_tree_2x2", marks=pytest.mark.long),
+    pytest.param("peagle_block_chain", marks=pytest.mark.long)])
 def test_fast_drafters_sample_the_target_exactly(target, name):
   """Invariant: each drafter's first four generated tokens follow
   transformers' warped joint law (module doc)."""
@@ -459,7 +463,26 @@ def _candidate_after_the_draw(monkeypatch):
   monkeypatch.setattr(trees, "verify_tree", peeking)
 
 
+def _slot_after_the_draw_before(monkeypatch):
+  """A P-EAGLE block's slot 1 takes slot 0's drawn token half the time,
+  its reported distribution unchanged: a slot sampled conditioned on
+  another slot's sample."""
+  from specjax.drafters.eagle import EagleDrafter
+  block = EagleDrafter._propose_block
+
+  def leaning(self, params, state, stable_B, a_BD, key, num_draft, sampling):
+    prop = block(self, params, state, stable_B, a_BD, key, num_draft,
+                 sampling)
+    copy_B = jax.random.bernoulli(jax.random.fold_in(key, 7), 0.5,
+                                  prop.tokens.shape[:1])
+    return prop.replace(tokens=prop.tokens.at[:, 1].set(
+        jnp.where(copy_B, prop.tokens[:, 0], prop.tokens[:, 1])))
+  monkeypatch.setattr(EagleDrafter, "_propose_block", leaning)
+
+
 MUTATIONS = {  # name: (drafter, mutation[, sampling])
+    "peagle_slot_after_the_draw_before": ("peagle_block_chain",
+                                          _slot_after_the_draw_before),
     "lookahead_candidate_after_the_draw": ("lookahead_trie",
                                            _candidate_after_the_draw),
     "draft_probs_reported_unwarped": ("eagle3_chain_small_vocab",
@@ -483,7 +506,8 @@ MUTATIONS = {  # name: (drafter, mutation[, sampling])
 @pytest.mark.parametrize("mutation", sorted(MUTATIONS))
 def test_the_check_catches_mutations(target, mutation, monkeypatch):
   """Invariant (mutation check): the same check FAILS for a drafter that
-  reports a distribution other than the one it drew from, for a lookahead
+  reports a distribution other than the one it drew from, for a P-EAGLE
+  slot drawn conditioned on the slot before it, for a lookahead
   candidate chosen after the target's draw at its position, for a verifier
   that drops top-k/top-p, for tree nodes at index positions, for penalties
   that miss the drafted tokens, for min-p left off the target and for an

@@ -181,6 +181,9 @@ class EagleDrafter:
               key, num_draft, sampling) -> Proposal:
     V = params.embed.shape[0]
     state, stable_B, a_BD = self._start(params, state, ctx, num_draft)
+    if self.cfg.variant == "peagle":
+      return self._propose_block(params, state, stable_B, a_BD, key,
+                                 num_draft, sampling)
 
     def logits(a_BD):
       """Head output -> logits over the full vocabulary (-inf off Vd)."""
@@ -199,12 +202,46 @@ class EagleDrafter:
     return Proposal(tokens=drafts_BK, probs=probs_BKV, num_drafted=num_B,
                     state=state.with_lengths(stable_B))
 
+  def block_outputs(self, params: EagleParams, state: EagleState, stable_B,
+                    a_BD, num_draft):
+    """A P-EAGLE head's block: slot 0's output ``a`` (the pending pairs'
+    last, at position ``stable - 1``), then K - 1 placeholder slots run as
+    one block at positions ``stable .. stable + K - 2``, each seeing the
+    prefix (slot 0 included) and the slots before it. Returns the K outputs
+    ``[B, K, D]``; the placeholders' cache entries are scratch."""
+    B, T = a_BD.shape[0], num_draft - 1
+    tok_BT = jnp.full((B, T), self.cfg.mask_token, jnp.int32)
+    h_BTD = self._call(params, "placeholders", tok_BT)
+    out_BTD, _ = self._run(params, state.with_lengths(stable_B), tok_BT,
+                           h_BTD)
+    return jnp.concatenate([a_BD[:, None], out_BTD.astype(a_BD.dtype)], 1)
+
+  def _propose_block(self, params: EagleParams, state: EagleState, stable_B,
+                     a_BD, key, num_draft, sampling) -> Proposal:
+    """K drafts from one block (``block_outputs``): draft i is drawn from
+    slot i's own distribution, which no other draft changed, so the chain
+    rule's verification is exact (``draft_chain`` over the K logits)."""
+    V = params.embed.shape[0]
+    out_BKD = self.block_outputs(params, state, stable_B, a_BD, num_draft)
+    logits_BKV = full_vocab_logits(self._call(params, "logits", out_BKD),
+                                   params.draft_ids, V)
+    step = lambda tok_B, i: (jax.lax.dynamic_index_in_dim(
+        logits_BKV, i, axis=1, keepdims=False), i + 1)
+    drafts_BK, probs_BKV, num_B, _ = draft_chain(
+        logits_BKV[:, 0], step, jnp.int32(1), key, num_draft, sampling,
+        self.min_confidence)
+    return Proposal(tokens=drafts_BK, probs=probs_BKV, num_drafted=num_B,
+                    state=state.with_lengths(stable_B))
+
   def propose_tree(self, params: EagleParams, state: EagleState,
                    ctx: Context, key, num_draft, num_nodes, sampling
                    ) -> TreeProposal:
     """An EAGLE-2 dynamic tree (module doc), ``num_draft`` levels deep, or
     the static ``tree_shape``."""
     del key, sampling  # the tree is the head's top-k: no draws
+    if self.cfg.variant == "peagle":
+      raise ValueError("a P-EAGLE head drafts chains (trees from its "
+                       "block's marginals are not built yet)")
     if self.tree_shape:
       shape = trees.Shape(self.tree_shape)
       shape.check(num_nodes, num_draft, self.cfg.draft_vocab)

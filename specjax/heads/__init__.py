@@ -13,18 +13,19 @@ import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
-from specjax.heads.base import HeadConfig
-from specjax.heads.eagle import Eagle1Head, Eagle3Head, MTPHead
+from specjax.heads.base import HeadConfig, fuses_taps
+from specjax.heads.eagle import Eagle1Head, Eagle3Head, MTPHead, PEagleHead
 from specjax.heads.medusa import MedusaHead
 
 # Parameters training leaves alone, per variant (copies of target weights).
 FROZEN = {"eagle3": (), "eagle1": ("feature_norm", "lm_head"),
-          "medusa": ("feature_norm",), "mtp": ("feature_norm", "lm_head")}
+          "medusa": ("feature_norm",), "mtp": ("feature_norm", "lm_head"),
+          "peagle": ()}
 
 
 def head_module(cfg: HeadConfig) -> nn.Module:
-  return dict(medusa=MedusaHead, eagle1=Eagle1Head, mtp=MTPHead).get(
-      cfg.variant, Eagle3Head)(cfg)
+  return dict(medusa=MedusaHead, eagle1=Eagle1Head, mtp=MTPHead,
+              peagle=PEagleHead).get(cfg.variant, Eagle3Head)(cfg)
 
 
 def head_call(cfg: HeadConfig, params):
@@ -40,7 +41,7 @@ def param_shapes(cfg: HeadConfig) -> dict[str, tuple[int, ...]]:
   """Every parameter's shape, by ``/``-joined path, as ``cfg``'s module
   initializes it (nothing is computed: ``jax.eval_shape``)."""
   D = cfg.target_dim
-  width = len(cfg.taps) * D if cfg.variant == "eagle3" else D
+  width = len(cfg.taps) * D if fuses_taps(cfg.variant) else D
   args = (jax.ShapeDtypeStruct((1, 1, width), jnp.float32),
           jax.ShapeDtypeStruct((1, 1), jnp.int32),
           jax.ShapeDtypeStruct((cfg.target_vocab, D), jnp.float32),

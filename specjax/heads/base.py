@@ -19,7 +19,7 @@ from specjax.models.layers import (PackedWeight, linear, pack_weight,
                                    rms_norm, rope, rope_inv_freq)
 
 
-VARIANTS = ("eagle3", "eagle1", "medusa", "mtp")
+VARIANTS = ("eagle3", "eagle1", "medusa", "mtp", "peagle")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,13 +44,16 @@ class HeadConfig:
       depth, sharing one LM head over Vd) or "mtp" (``heads.eagle.MTPHead``:
       a multi-token-prediction module as DeepSeek-V3 and Qwen3.5 ship
       inside their checkpoints, over the same feature as EAGLE-1, the full
-      vocabulary).
+      vocabulary) or "peagle" (``heads.eagle.PEagleHead``: an EAGLE-3
+      head that drafts a block of K in one forward, P-EAGLE).
     medusa_heads: a Medusa head's depths (0 for the EAGLE variants).
     qk_norm: the head's layer norms each query and key head (Qwen3's
       layer; an MTP module takes its target's layer).
     feed_normed: an MTP head's next step is fed its output after the final
       norm (Qwen3.5, speculators) instead of its layer's output (DeepSeek-V3,
       what specjax trains).
+    mask_token: a P-EAGLE head's placeholder token, the token of its block's
+      slots 1..K-1 (-1 for the other variants).
   """
   target_dim: int
   target_vocab: int
@@ -67,6 +70,7 @@ class HeadConfig:
   medusa_heads: int = 0
   qk_norm: bool = False
   feed_normed: bool = False
+  mask_token: int = -1
 
   def __post_init__(self):
     if self.variant not in VARIANTS:
@@ -77,6 +81,11 @@ class HeadConfig:
                        f"got {self.medusa_heads} for {self.variant}")
     if self.feed_normed and self.variant != "mtp":
       raise ValueError(f"feed_normed is for MTP heads, not {self.variant}")
+    if self.variant == "peagle" and not 0 <= self.mask_token < self.target_vocab:
+      raise ValueError(f"a P-EAGLE head's mask_token must be a token id in "
+                       f"[0, {self.target_vocab}), got {self.mask_token}")
+    if self.variant != "peagle" and self.mask_token != -1:
+      raise ValueError(f"mask_token is for P-EAGLE heads, not {self.variant}")
 
   @classmethod
   def for_target(cls, target: ModelConfig, draft_vocab: int,
@@ -91,7 +100,7 @@ class HeadConfig:
     kw = dict(target_dim=target.dim, target_vocab=target.vocab_size,
               target_layers=L,
               taps=overrides.get("taps") or (
-                  eagle3_taps(L) if variant == "eagle3" else (L,)),
+                  eagle3_taps(L) if fuses_taps(variant) else (L,)),
               medusa_heads=4 if variant == "medusa" else 0,
               variant=variant,
               num_heads=target.num_heads, num_kv_heads=target.num_kv_heads,
@@ -126,6 +135,12 @@ class HeadConfig:
     if max(self.taps) > target.num_layers or min(self.taps) < 0:
       raise ValueError(f"{self.variant} head taps layers {list(self.taps)}; "
                        f"the target's taps are 0..{target.num_layers}")
+
+
+def fuses_taps(variant: str) -> bool:
+  """Whether a head of ``variant`` fuses several layers' inputs (EAGLE-3's
+  low/mid/high) rather than reading the last hidden state."""
+  return variant in ("eagle3", "peagle")
 
 
 def eagle3_taps(num_layers: int) -> tuple[int, ...]:

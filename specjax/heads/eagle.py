@@ -1,5 +1,6 @@
 """The EAGLE-3 draft head (Flax): fused target features -> one decoder layer;
-EAGLE-1 and native multi-token-prediction (MTP) modules, the same interface.
+EAGLE-1, native multi-token-prediction (MTP) and P-EAGLE modules, the same
+interface.
 
 Follows the released reference code (SafeAILab/EAGLE) where it differs from
 the paper: the attention input is the 2D-wide
@@ -155,3 +156,24 @@ class MTPHead(nn.Module):
 
   def normed(self, out_BTD):
     return out_BTD if self.cfg.feed_normed else self.norm(out_BTD)
+
+
+class PEagleHead(Eagle3Head):
+  """P-EAGLE: an EAGLE-3 head that drafts K tokens in one forward. Slot 0 of
+  its block is EAGLE-3's pair (the newest token, the fused taps); slots
+  1..K-1 hold the placeholder ``cfg.mask_token`` and a learned
+  ``mask_hidden`` in place of the taps (``placeholders``), one position
+  each after slot 0, causal. No slot reads another slot's sampled token, so
+  the K distributions come out of one pass."""
+
+  def setup(self):
+    super().setup()
+    width = len(self.cfg.taps) * self.cfg.target_dim
+    self.mask_hidden = self.param("mask_hidden", nn.initializers.normal(0.02),
+                                  (width,))
+
+  def placeholders(self, tok_BT):
+    """The feature of placeholder slots shaped as ``tok`` (``[B, T, D]``):
+    ``fc(mask_hidden)``, as the taps go through ``fc``."""
+    h_11D = self.fc(self.mask_hidden[None, None])
+    return jnp.broadcast_to(h_11D[0, 0], tok_BT.shape + h_11D.shape[-1:])

@@ -34,7 +34,7 @@ import optax
 from specjax.core import sharding
 from specjax.core.sampling import seed_key
 from specjax.heads import FROZEN, head_module
-from specjax.heads.base import HeadConfig
+from specjax.heads.base import HeadConfig, fuses_taps
 from specjax.heads.export import save_head
 from specjax.heads.vocab import DraftVocab, build_draft_vocab, draft_rows
 from specjax.models.target import Target
@@ -141,7 +141,7 @@ def init_head(key, hcfg: HeadConfig, target: Target, target_params,
               vocab: DraftVocab):
   """Random init, then warm starts from the target: the LM head from the
   target's output rows of the draft vocabulary, and the target's final norm
-  (EAGLE-3: the head's output norm; EAGLE-1, Medusa: the feature norm; MTP:
+  (EAGLE-3 and P-EAGLE: the head's output norm; EAGLE-1, Medusa: the feature norm; MTP:
   both)."""
   B, T = 1, 4
   params = head_module(hcfg).init(
@@ -151,12 +151,13 @@ def init_head(key, hcfg: HeadConfig, target: Target, target_params,
   params = dict(params)
   params["lm_head"] = {
       "kernel": draft_rows(target.lm_head(target_params), vocab).T}
-  norms = dict(eagle3=("norm",), mtp=("feature_norm", "norm")).get(
-      hcfg.variant, ("feature_norm",))
+  norms = dict(eagle3=("norm",), peagle=("norm",),
+               mtp=("feature_norm", "norm")).get(hcfg.variant,
+                                                 ("feature_norm",))
   try:
     scale_D, _ = target.output_norm(target_params)
   except NotImplementedError as e:
-    if hcfg.variant != "eagle3":  # its feature *is* the target's norm
+    if not fuses_taps(hcfg.variant):  # its feature *is* the target's norm
       raise ValueError(f"a {hcfg.variant} head needs the target's final "
                        f"RMSNorm: {e}") from None
     return params  # EAGLE-3's output norm starts at one instead
