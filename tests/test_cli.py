@@ -216,7 +216,7 @@ def _load_each_model_once(monkeypatch):
         "/tmp/x", f"--config.{setting}"), [words]) for setting, words in (
             ("keep=0", "keep must be >= 1"),
             ("head.variant=eagle9", "head.variant must be one of eagle3, "
-             "eagle1, medusa, mtp, got 'eagle9'"),
+             "eagle1, medusa, mtp, peagle, got 'eagle9'"),
             ("optim.lr=nan", "optim.lr must be > 0, got nan"),
             ("optim.lr=-1", "optim.lr must be > 0"),
             ("ttt.warm_fraction=nan", "ttt.warm_fraction must be in [0, 1]"),

@@ -43,18 +43,21 @@ CFG = etrain.TrainConfig().updated({
 
 
 @pytest.mark.long
-@pytest.mark.parametrize("feature_cache", [0, 5])
+@pytest.mark.parametrize("variant,feature_cache", [
+    ("eagle3", 0), ("eagle3", 5), ("peagle", 0)])
 def test_resume_after_interruption_matches_uninterrupted(tiny_model,
-                                                         tmp_path,
+                                                         tmp_path, variant,
                                                          feature_cache):
   """Invariants: (1) a run stopped after step 3 (last checkpoint: step 2)
   and restarted continues from step 2 with the same per-step losses as an
   uninterrupted run (data order is a function of the step; params and
   optimizer state round-trip through orbax exactly); (2) the metrics log
   holds each step once; (3) orbax keeps only ``keep`` checkpoints. Also
-  for training epochs over cached target features (5 examples)."""
+  for training epochs over cached target features (5 examples), and for a
+  P-EAGLE head (its COD depths drawn from the step's own key)."""
   ex = _examples()
-  CFG = globals()["CFG"].updated({"data.feature_cache": feature_cache})
+  CFG = globals()["CFG"].updated({"data.feature_cache": feature_cache,
+                                  "head.variant": variant})
   full = etrain.train(CFG, tmp_path / "a", model=tiny_model, examples=ex,
                       progress=False)
   part = etrain.train(CFG, tmp_path / "b", model=tiny_model, examples=ex,
@@ -140,6 +143,14 @@ def test_init_head_continues_from_an_exported_head(tiny_model, tmp_path):
                      "eagle1"):
     etrain.setup(cfg.updated({"head.variant": "eagle1"}), model=tiny_model,
                  examples=ex, progress=False)
+  # A P-EAGLE run warm-starts from the EAGLE-3 head: its parameters as they
+  # are, a fresh mask_hidden, the placeholder the target's last token.
+  pe = etrain.setup(cfg.updated({"head.variant": "peagle"}),
+                    model=tiny_model, examples=ex, progress=False)
+  assert (pe.hcfg.variant, pe.hcfg.mask_token) == ("peagle", 36)
+  for name in saved:
+    jax.tree.map(np.testing.assert_array_equal, pe.params[name], saved[name])
+  assert pe.params["mask_hidden"].shape == (3 * pe.hcfg.target_dim,)
 
 
 @pytest.mark.long

@@ -155,7 +155,8 @@ GRAMMAR = ["ar", "ngram", "ngram:k=5:nodes=8:width=2", "retrieval:k=3:nodes=6",
            "eagle3:k=5:shape=2x2x1:lookup=8:head=runs/e3/head.npz",
            "eagle3:shape=0,1,2,0.0", "medusa:shape=2x2x1",
            "lookahead:k=3:window=5:width=2", "lookahead:k=5:window=4:levels=2",
-           "clasp:k=3:layers=18:refresh=2", "clasp:k=4:nodes=8:width=3"]
+           "clasp:k=3:layers=18:refresh=2", "clasp:k=4:nodes=8:width=3",
+           "peagle:k=6:head=runs/pe/head.npz"]
 
 
 @pytest.mark.parametrize("text", GRAMMAR)
@@ -184,12 +185,13 @@ def test_the_grammar_covers_every_key():
     ("eagle3:k=1.5", "k must be an integer, got '1.5'"),
     ("eagle3:conf=high", "conf must be a number, got 'high'"),
     ("eagle3:k=2:k=3", "k given twice"),
-    ("ngram:head=h.npz", "head is for eagle, eagle3, medusa, mtp; ngram would"),
+    ("ngram:head=h.npz", "head is for eagle, eagle3, medusa, mtp, peagle; "
+     "ngram would"),
     ("eagle3:layers=3", "layers is for clasp, layerskip; eagle3 would"),
     ("ngram:conversations=300", "conversations is for eagle, eagle3, "
-     "medusa, mtp, ngram+retrieval, retrieval; ngram would"),
+     "medusa, mtp, ngram+retrieval, peagle, retrieval; ngram would"),
     ("retrieval:width=2", "width is for clasp, eagle, eagle3, lookahead, "
-     "medusa, mtp, ngram, ngram+retrieval; retrieval would"),
+     "medusa, mtp, ngram, ngram+retrieval, peagle; retrieval would"),
     ("ar:k=3", "k is for clasp, draft, eagle"),
     ("eagle3:shape=1000x1000", "nodes"),
 ])

@@ -109,3 +109,120 @@ def test_a_peagle_config_is_refused_where_it_cannot_work():
   _, _, hcfg, dparams = _peagle()
   with pytest.raises(ValueError, match="a P-EAGLE head drafts chains"):
     EagleDrafter(hcfg).propose_tree(dparams, None, None, None, 3, 6, None)
+
+
+def test_cod_layout_equals_the_rule_written_entry_by_entry():
+  """Invariant: COD keeps every position at depth 0 and ceil(T r^d) at
+  depth d, each depth's anchors among the depth before's; entry (t, d)
+  sits at position t + d and sees depth 0 up to t and its own chain's
+  depths 1..d, and nothing else (brute force, entry by entry). Two keys
+  draw different anchors."""
+  from specjax.training.ttt import cod_count, cod_layout
+  B, T, D, r = 2, 10, 4, 0.5
+  lay = cod_layout(jax.random.key(3), B, T, D, r)
+  anchor, depth, mask = (np.asarray(x) for x in (lay.anchor, lay.depth,
+                                                 lay.mask))
+  sizes = [T] + [cod_count(T, r, d) for d in range(1, D)]
+  assert sizes == [10, 5, 3, 2]
+  np.testing.assert_array_equal(depth, np.repeat(np.arange(D), sizes))
+  for b in range(B):
+    at = [set(anchor[b][depth == d].tolist()) for d in range(D)]
+    assert at[0] == set(range(T)) and all(len(a) == n
+                                          for a, n in zip(at, sizes))
+    assert all(at[d] <= at[d - 1] for d in range(1, D))
+    for i in range(len(depth)):
+      for j in range(len(depth)):
+        ti, di, tj, dj = anchor[b, i], depth[i], anchor[b, j], depth[j]
+        sees = (dj == 0 and tj <= ti) or (tj == ti and 1 <= dj <= di)
+        assert mask[b, i, j] == sees, (b, i, j)
+  other = cod_layout(jax.random.key(4), B, T, D, r)
+  assert not np.array_equal(np.asarray(other.anchor), anchor)
+
+
+def test_training_outputs_equal_drafting_on_each_chain():
+  """Invariant: every entry (t, d) of ``peagle_outputs`` over a COD layout
+  equals what drafting computes for it: the drafter's head run causally
+  from an empty cache over the pairs (x[1..t+1], taps[0..t]) and d
+  placeholders, its last output (the one forward it is, entry by entry).
+  Training and drafting share one layout."""
+  from specjax.training.ttt import TTTBatch, cod_layout, peagle_outputs
+  cfg, params, hcfg, dparams = _peagle()
+  B, T, D = 2, 8, 3
+  rng = np.random.default_rng(5)
+  tokens = rng.integers(0, 37, (B, T)).astype(np.int32)
+  taps = rng.normal(size=(B, T, 3 * cfg.dim)).astype(np.float32)
+  batch = TTTBatch(tokens=jnp.asarray(tokens), taps=jnp.asarray(taps),
+                   target_logits=None, target_in_vocab=None, loss_mask=None)
+  lay = cod_layout(jax.random.key(1), B, T, D, 0.5)
+  out = np.asarray(jax.jit(peagle_outputs, static_argnums=1)(
+      dparams.head, hcfg, params.embed, batch, lay))
+  drafter = EagleDrafter(hcfg)
+  prompt = Context(tokens=jnp.asarray(tokens), num_tokens=jnp.full((B,), T))
+  empty = drafter.init(dparams, prompt, S, D, jnp.asarray(taps)
+                       ).with_lengths(jnp.zeros((B,), jnp.int32))
+  call = lambda m, *a: drafter._call(dparams, m, *a)
+  run = jax.jit(lambda tok, h: drafter._run(dparams, empty, tok, h)[0])
+  anchor, depth = np.asarray(lay.anchor), np.asarray(lay.depth)
+  for e in range(len(depth)):
+    t, d = anchor[:, e], int(depth[e])
+    for b in range(B):
+      n = t[b] + 1  # x[T] past the row: its last token (weight 0)
+      ext = np.concatenate([tokens[b], tokens[b, -1:]])
+      tok = np.concatenate([ext[1:n + 1], [MASK] * d])[None].astype(np.int32)
+      h = jnp.concatenate([call("features", jnp.asarray(taps[b:b + 1, :n])),
+                           call("placeholders", jnp.asarray(tok[:, n:]))],
+                          axis=1)
+      ref = run(jnp.broadcast_to(jnp.asarray(tok), (B,) + tok.shape[1:]),
+                jnp.broadcast_to(h, (B,) + h.shape[1:]))[0, -1]
+      np.testing.assert_allclose(out[b, e], ref, atol=2e-5, err_msg=str(
+          (b, e, t[b], d)))
+
+
+@pytest.mark.long
+def test_a_head_trained_on_cod_depths_drafts_its_block():
+  """Invariant: a P-EAGLE head over-fitted with ``peagle_loss`` on the
+  target's own greedy text (all depths in one packed COD sequence) gets
+  its block's last slot accepted a quarter of the steps more than the
+  untrained head (which drafts nothing deep), the first > 80%, and greedy
+  output stays AR's: the training layout (tokens, placeholders, positions,
+  mask) is the one drafting runs. The loss's gap above its floor (the target's entropy)
+  halves."""
+  from specjax.core import engine
+  from specjax.training.ttt import peagle_loss
+  from tests.test_eagle_ttt import greedy_batch, greedy_decode, overfit
+  cfg, params, hcfg, dparams = _peagle(seed=1)
+  head = untrained = dict(dparams.head,
+                         mask_hidden=0.02 * dparams.head["mask_hidden"])
+  prompts = [[5, 6, 7, 8, 5, 6, 7], [9, 1, 9], [3, 4, 3, 4, 3, 4, 3, 4, 3, 4],
+             [20]]
+  run = greedy_decode(params, Decoder(cfg), prompts)
+  ar, _ = run(engine.DecodeConfig(capacity=S))
+  K = 3
+  vocab = build_draft_vocab([np.arange(37)], 37, 37)
+  batch = greedy_batch(params, cfg, hcfg, vocab, prompts, ar)
+  loss = lambda h: peagle_loss(h, hcfg, params.embed, batch, K,
+                               jax.random.key(5), ratio=1.0)
+  head, (loss0, _), (loss1, _) = overfit(loss, head, 3e-3, 400)
+  # Soft CE cannot go below the target's entropy over the counted entries
+  # (every anchor at every depth at ratio 1).
+  p = np.asarray(jax.nn.softmax(batch.target_logits, -1))
+  ent = -np.sum(p * np.log(p + 1e-30), -1)
+  mask, vocab_ok = np.asarray(batch.loss_mask), np.asarray(
+      batch.target_in_vocab)
+  T = mask.shape[1]
+  w = np.stack([np.pad(mask[:, 2 + d:] & vocab_ok[:, 1 + d:T - 1],
+                       ((0, 0), (0, 2 + d))) for d in range(K)])
+  e = np.stack([np.pad(ent[:, 1 + d:T - 1], ((0, 0), (0, 2 + d)))
+                for d in range(K)])
+  floor = float(np.sum(w * e) / np.sum(w))
+  assert float(loss1) - floor < 0.5 * (float(loss0) - floor)
+  def acceptance(head):
+    spec, st = run(engine.DecodeConfig(capacity=S,
+                                       drafter=EagleDrafter(hcfg),
+                                       num_draft=K), dparams.replace(head=head))
+    assert spec == ar
+    return (np.asarray(st.accepted_at).sum(0)
+            / np.asarray(st.num_forwards).sum())
+  before, after = acceptance(untrained), acceptance(head)
+  assert after[0] > 0.8 and after[K - 1] > before[K - 1] + 0.25, (before,
+                                                                   after)

@@ -20,10 +20,10 @@ if TYPE_CHECKING:
   from specjax.models.registry import Model
 
 METHODS = ("ar", "ngram", "draft", "layerskip", "retrieval", "ngram+retrieval",
-           "lookahead", "clasp", "eagle", "eagle3", "medusa", "mtp")
+           "lookahead", "clasp", "eagle", "eagle3", "medusa", "mtp", "peagle")
 # Methods that draft with a trained head, and the head variant each loads.
 HEADS = {"eagle": "eagle1", "eagle3": "eagle3", "medusa": "medusa",
-         "mtp": "mtp"}
+         "mtp": "mtp", "peagle": "peagle"}
 # Heads shipped inside the package, by (target model name, method).
 SHIPPED_HEADS = {("smollm2-135m", "eagle3"): "heads/smollm2-135m-eagle3.npz",
                  ("smollm2-135m", "medusa"): "heads/smollm2-135m-medusa.npz"}
@@ -107,8 +107,8 @@ class MethodSpec:
     draft_model: the "draft" method's model (a name, .gguf or HF dir).
     datastore_conversations: ShareGPT conversations behind "retrieval" and
       "ngram+retrieval".
-    head: the "eagle" (EAGLE-1) / "eagle3" / "medusa" / "mtp" head file or
-      directory (None = the one shipped for the model).
+    head: the "eagle" (EAGLE-1) / "eagle3" / "medusa" / "mtp" / "peagle" head
+      file or directory (None = the one shipped for the model).
     tree_nodes: 0 for chains; else draft trees of up to this many nodes,
       ``num_draft`` deep (drafters with ``propose_tree``: "ngram",
       "retrieval", "ngram+retrieval", "lookahead", "clasp", "eagle",
@@ -411,6 +411,9 @@ class _Head(_Own):
     if self.name == "medusa" and self.tree_nodes and not self.tree_shape:
       raise MethodError("Medusa trees are static: give tree_shape (e.g. "
                         "2x2x1) instead of tree_nodes")
+    if self.name == "peagle" and self.tree_nodes:
+      raise MethodError("peagle drafts chains: trees from its block's "
+                        "marginals are not built yet")
 
   def build(self, model):
     built = _head(model, self)
@@ -426,7 +429,8 @@ class _Head(_Own):
 _OWN = {"ar": _AR, "ngram": _NGram, "draft": _DraftModel,
         "layerskip": _LayerSkip, "retrieval": _Retrieval,
         "ngram+retrieval": _Lookup, "lookahead": _Lookahead, "clasp": _Clasp,
-        "eagle": _Head, "eagle3": _Head, "medusa": _Head, "mtp": _Head}
+        "eagle": _Head, "eagle3": _Head, "medusa": _Head, "mtp": _Head,
+        "peagle": _Head}
 # The drafters that stop a chain early on their own confidence (dynamic K).
 DYNAMIC_K = tuple(m for m in METHODS if m in readers("min_confidence"))
 _DEFAULT_WIDTH = MethodSpec.tree_width

@@ -61,9 +61,11 @@ class HeadRecipe:
 
   Attributes:
     variant: "eagle3", "eagle1" (the baseline; full vocabulary), "medusa"
-      (``medusa_heads`` residual blocks on the last hidden state) or "mtp"
+      (``medusa_heads`` residual blocks on the last hidden state), "mtp"
       (DeepSeek-V3's multi-token-prediction module: full vocabulary, the
-      target's LM head; for a target that ships none).
+      target's LM head; for a target that ships none) or "peagle" (an
+      EAGLE-3 head drafting a block of K in one forward, trained on
+      COD-sampled depths).
     medusa_heads: a Medusa head's depths.
     draft_vocab: Vd, the draft vocabulary's size.
     init_layer: "random" (normal(0.02) layer weights) or "target": an
@@ -72,13 +74,20 @@ class HeadRecipe:
     init_head: a head file (``export.save_head``) or an EAGLE-3 head
       directory in the SpecForge or speculators layout to start from, its
       parameters and draft vocabulary: a run continued on another machine
-      (a GPU lease returns the head, not the optimizer state).
+      (a GPU lease returns the head, not the optimizer state). A P-EAGLE
+      run may start from an EAGLE-3 head (``train.block_head``).
+    mask_token: a P-EAGLE head's placeholder token (-1: the target's last
+      token id).
+    cod_ratio: P-EAGLE's COD sampling: depth d trains on a random
+      ``cod_ratio ** d`` of the positions (``ttt.steps`` depths).
   """
   variant: str = "eagle3"
   medusa_heads: int = 4
   draft_vocab: int = 16384
   init_layer: str = "random"
   init_head: str = ""
+  mask_token: int = -1
+  cod_ratio: float = 0.5
 
   def __post_init__(self):
     if self.variant not in VARIANTS:
@@ -89,7 +98,11 @@ class HeadRecipe:
                        f"{self.init_layer!r}")
     if self.init_layer == "target" and self.variant != "eagle3":
       raise ValueError("head.init_layer=target is for EAGLE-3 heads")
-    _check(self, "head", positive=("medusa_heads", "draft_vocab"))
+    _check(self, "head", positive=("medusa_heads", "draft_vocab"),
+           rules=[("cod_ratio", lambda v: 0 < v <= 1, "in (0, 1]")])
+    if self.mask_token < -1:
+      raise ValueError(f"head.mask_token must be a token id or -1, got "
+                       f"{self.mask_token}")
     if self.init_head and not os.path.exists(self.init_head):
       raise ValueError(f"head.init_head: no head file or directory "
                        f"{self.init_head!r}")

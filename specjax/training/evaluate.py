@@ -30,10 +30,10 @@ def expected_tau(acc, coverage: float = 1.0) -> float:
 
 
 # Module-level, configs static: one compile per (head config, K) for the
-# process, not one per checkpoint evaluated.
-_metrics = jax.jit(lambda p, hcfg, embed, b, K: head_loss(p, hcfg, embed, b,
-                                                         K)[1],
-                   static_argnums=(1, 4))
+# process, not one per checkpoint evaluated. A P-EAGLE head's depths are
+# scored on one fixed COD sample.
+_metrics = jax.jit(lambda p, hcfg, embed, b, K: head_loss(
+    p, hcfg, embed, b, K, key=jax.random.key(0))[1], static_argnums=(1, 4))
 
 
 def heldout_accuracy(s: Setup, params, num_steps: int = 7,

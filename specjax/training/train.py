@@ -120,16 +120,20 @@ def init_state(cfg: TrainConfig, params) -> dict:
   return {"params": params, "opt": opt.init(params)}
 
 
-@functools.partial(jax.jit, static_argnames=("ocfg", "hcfg", "K", "rows"))
-def train_step(state, batch, embed_VD, total_steps, *, ocfg: OptimizerConfig,
-               hcfg: HeadConfig, K: int, rows: int):
+@functools.partial(jax.jit, static_argnames=("ocfg", "hcfg", "K", "rows",
+                                             "cod_ratio"))
+def train_step(state, batch, embed_VD, total_steps, key, *,
+               ocfg: OptimizerConfig, hcfg: HeadConfig, K: int, rows: int,
+               cod_ratio: float = 0.5):
   """One optimizer step, ``(state, loss, metrics, grad_norm)``, for TTT
-  length ``K`` over ``rows`` LM-head rows. Compiled once per process for
+  length ``K`` (a P-EAGLE head's depths, COD-sampled with ``key`` and
+  ``cod_ratio``) over ``rows`` LM-head rows. Compiled once per process for
   each (shapes, ``ocfg``, ``hcfg``, K, rows): a second run with other
   ``steps`` or logging reuses the first one's program."""
   params = state["params"]
   (loss, m), g = jax.value_and_grad(
-      lambda p: head_loss(p, hcfg, embed_VD, batch, K, rows=rows),
+      lambda p: head_loss(p, hcfg, embed_VD, batch, K, rows=rows, key=key,
+                          cod_ratio=cod_ratio),
       has_aux=True)(params)
   opt = optimizer(ocfg, hcfg.variant, params, total_steps)
   upd, opt_state = opt.update(g, state["opt"], params)
@@ -258,6 +262,9 @@ def setup(cfg: TrainConfig, *, model=None,
     from specjax.heads.export import load_head
     from specjax.heads import with_shared
     hcfg, params, ids = load_head(cfg.head.init_head, tcfg)
+    if (hcfg.variant, cfg.head.variant) == ("eagle3", "peagle"):
+      hcfg, params = block_head(hcfg, params, _mask_token(cfg, tcfg),
+                                seed_key(cfg.seed))
     if hcfg.variant != cfg.head.variant:
       raise ValueError(f"init_head {cfg.head.init_head!r} is an {hcfg.variant} "
                        f"head; this run trains {cfg.head.variant}")
@@ -269,13 +276,33 @@ def setup(cfg: TrainConfig, *, model=None,
   vocab = build_draft_vocab(
       (r[m] for r, m in zip(train_ex.ids, train_ex.mask)), tcfg.vocab_size,
       min(vd, tcfg.vocab_size), always=tcfg.eos_ids)
-  depths = dict(medusa_heads=cfg.head.medusa_heads) if cfg.head.variant == "medusa" else {}
-  hcfg = HeadConfig.for_target(tcfg, vocab.size, variant=cfg.head.variant, **depths)
+  extra = (dict(medusa_heads=cfg.head.medusa_heads)
+           if cfg.head.variant == "medusa" else
+           dict(mask_token=_mask_token(cfg, tcfg))
+           if cfg.head.variant == "peagle" else {})
+  hcfg = HeadConfig.for_target(tcfg, vocab.size, variant=cfg.head.variant,
+                               **extra)
   params = init_head(seed_key(cfg.seed), hcfg, model.target,
                      model.params, vocab)
   if cfg.head.init_layer == "target":
     params = warm_layer(params, hcfg, model.target, model.params)
   return Setup(model, train_ex, heldout_ex, vocab, hcfg, params)
+
+
+def _mask_token(cfg: TrainConfig, tcfg) -> int:
+  """A P-EAGLE head's placeholder: ``head.mask_token``, or the target's
+  last token id."""
+  return cfg.head.mask_token if cfg.head.mask_token >= 0 else (
+      tcfg.vocab_size - 1)
+
+
+def block_head(hcfg: HeadConfig, params, mask_token: int, key):
+  """An EAGLE-3 head as a P-EAGLE head to train on: its parameters as they
+  are (slot 0 is EAGLE-3's pair) and a fresh ``mask_hidden``."""
+  hcfg = dataclasses.replace(hcfg, variant="peagle", mask_token=mask_token)
+  width = len(hcfg.taps) * hcfg.target_dim
+  return hcfg, dict(params, mask_hidden=0.02 * jax.random.normal(
+      key, (width,), jnp.float32))
 
 
 def trained_examples(cfg: TrainConfig, train_ex: edata.Examples
@@ -386,9 +413,12 @@ def train(cfg: TrainConfig, workdir: str, *, model=None,
     if mesh is not None:  # rows over the data axis
       batch = sharding.shard_batch(batch, mesh)
     embed_VD = s.model.target.embedding(s.model.params)
+    # The step's own key (COD's depths): a resume draws the same ones.
+    key = jax.random.fold_in(seed_key(cfg.seed), step)
     new, loss, m, gnorm = train_step(state, batch, embed_VD,
-                                     np.int32(cfg.steps), ocfg=cfg.optim,
-                                     hcfg=s.hcfg, K=K, rows=rows)
+                                     np.int32(cfg.steps), key, ocfg=cfg.optim,
+                                     hcfg=s.hcfg, K=K, rows=rows,
+                                     cod_ratio=cfg.head.cod_ratio)
     loss = float(sharding.to_host(loss))  # the one sync a step needs
     if not applies(loss):
       end, stopped = step, f"non-finite loss at step {step + 1}"

@@ -27,6 +27,8 @@ batch's share of assistant tokens; we divide by the count instead). Total =
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -296,11 +298,117 @@ def medusa_loss(params, cfg: HeadConfig, batch: TTTBatch, decay: float = 0.8,
   return total, dict(loss=losses, acc=accs, count=counts, assistant=assistant)
 
 
+@struct.dataclass
+class CodLayout:
+  """P-EAGLE's training sequence per row: depth 0 at every position, then
+  each depth's anchors (COD-sampled), all packed into one sequence of E.
+
+  Attributes:
+    anchor: ``int32[B, E]`` the position t each entry drafts after.
+    depth: ``int32[E]`` its depth d (0: the pair (x[t + 1], taps[t]); d >= 1:
+      a placeholder at position t + d, drafting x[t + 2 + d]).
+    mask: ``bool[B, E, E]`` which entries each sees: depth 0 up to its own
+      anchor, and its own chain's depths 1..d.
+  """
+  anchor: jax.Array
+  depth: jax.Array
+  mask: jax.Array
+
+
+def cod_count(T: int, ratio: float, depth: int) -> int:
+  """Anchors a row keeps at ``depth``: ceil(T · ratio^depth), at least 1."""
+  return max(1, math.ceil(T * ratio ** depth))
+
+
+def cod_layout(key, B: int, T: int, num_depths: int, ratio: float
+               ) -> CodLayout:
+  """COD sampling (PARD's): depth 0 keeps every position, depth d a random
+  ``cod_count`` of them, each depth's anchors among the depth before's (a
+  row's one random order, cut shorter at each depth), so every entry's
+  chain below it is in the sequence."""
+  order_BT = jnp.argsort(jax.random.uniform(key, (B, T)), axis=1)
+  counts = [cod_count(T, ratio, d) for d in range(1, num_depths)]
+  anchor_BE = jnp.concatenate(
+      [jnp.broadcast_to(jnp.arange(T), (B, T))]
+      + [order_BT[:, :n] for n in counts], axis=1).astype(jnp.int32)
+  depth_E = jnp.asarray(np.repeat(np.arange(num_depths), [T] + counts),
+                        jnp.int32)
+  a_q, a_k = anchor_BE[:, :, None], anchor_BE[:, None, :]
+  d_q, d_k = depth_E[None, :, None], depth_E[None, None, :]
+  mask_BEE = (((d_k == 0) & (a_k <= a_q))
+              | ((a_k == a_q) & (d_k >= 1) & (d_k <= d_q)))
+  return CodLayout(anchor=anchor_BE, depth=depth_E, mask=mask_BEE)
+
+
+def peagle_outputs(params, cfg: HeadConfig, embed_VD, batch: TTTBatch,
+                   lay: CodLayout) -> jax.Array:
+  """The head's output at every entry of ``lay`` (``[B, E, D]``), one
+  forward: entry (t, 0) is the pair (x[t + 1], taps[t]) at position t,
+  entry (t, d) the placeholder with ``mask_hidden`` at t + d."""
+  call = head_call(cfg, params)
+  T = batch.tokens.shape[1]
+  tokens = jnp.concatenate([batch.tokens[:, 1:], batch.tokens[:, -1:]], 1)
+  tok_BE = jnp.concatenate([tokens, jnp.full(
+      (tokens.shape[0], lay.depth.shape[0] - T), cfg.mask_token,
+      jnp.int32)], axis=1)
+  h_BED = jnp.concatenate([call("features", batch.taps), call(
+      "placeholders", tok_BE[:, T:])], axis=1)
+  q, k, v, resid = call("project", tok_BE, h_BED, embed_VD,
+                        lay.anchor + lay.depth[None])
+  return call("finish", resid, attend_blocks(q, [(k, v, lay.mask)]))
+
+
+def peagle_loss(params, cfg: HeadConfig, embed_VD, batch: TTTBatch,
+                num_depths: int, key, ratio: float = 0.5,
+                rows: int | None = None):
+  """A P-EAGLE head's loss: every depth of a COD-sampled layout
+  (``cod_layout``) in one forward, soft CE against the target over Vd,
+  counted as ``ttt_loss``'s steps are (entry (t, d) scores x[t + 2 + d]
+  under TTT step d's rule), summed over every counted entry and divided by
+  their count (no per-depth decay). ``rows`` compacts depth 0's LM head as
+  in ``ttt_loss``. Returns ``(loss, metrics)`` shaped as ``ttt_loss``'s,
+  one entry per depth."""
+  call = head_call(cfg, params)
+  B, T = batch.tokens.shape
+  lay = cod_layout(key, B, T, num_depths, ratio)
+  p = _shifted(batch, num_depths)
+  at = lambda a, off: jnp.take_along_axis(
+      a, (lay.anchor + off).reshape(lay.anchor.shape + (1,) * (a.ndim - 2)),
+      axis=1)
+  x_BED = call("normed", peagle_outputs(params, cfg, embed_VD, batch, lay))
+  sizes = [T] + [cod_count(T, ratio, d) for d in range(1, num_depths)]
+  stats, start = [], 0
+  for n in sizes:
+    sl = lambda a: jax.lax.slice_in_dim(a, start, start + n, axis=1)
+    w_M = (sl(at(p["loss_mask"], 2)) & sl(at(p["in_vocab"], 1))
+           ).astype(jnp.float32).reshape(-1)
+    x_MD = sl(x_BED).reshape(B * n, -1)
+    probs_MV = sl(at(p["probs"], 1)).reshape(B * n, -1)
+    arg_M = sl(at(p["argmax"], 1)).reshape(-1)
+    if start == 0 and rows is not None:
+      w_M, x_MD, probs_MV, arg_M = _compact(rows, w_M, x_MD, probs_MV, arg_M)
+    ce, hits = fused_soft_ce(x_MD, params["lm_head"]["kernel"], probs_MV,
+                             arg_M, w_M)
+    stats.append((ce, hits, jnp.sum(w_M)))
+    start += n
+  ces, hits, counts = (jnp.stack(x) for x in zip(*stats))
+  per = jnp.maximum(counts, 1.0)
+  total = jnp.sum(ces) / jnp.maximum(jnp.sum(counts), 1.0)
+  assistant = jnp.sum(jax.lax.dynamic_slice_in_dim(p["loss_mask"], 2, T, 1))
+  return total, dict(loss=ces / per, acc=hits / per, count=counts,
+                     assistant=assistant)
+
+
 def head_loss(params, cfg: HeadConfig, embed_VD, batch: TTTBatch,
-              num_steps: int, rows: int | None = None):
+              num_steps: int, rows: int | None = None, key=None,
+              cod_ratio: float = 0.5):
   """The loss a head of ``cfg.variant`` trains on: ``ttt_loss`` over
   ``num_steps`` unrolled steps for EAGLE heads, ``medusa_loss`` (its own
-  depth count) for Medusa heads."""
+  depth count) for Medusa heads, ``peagle_loss`` over ``num_steps`` depths
+  (COD-sampled with ``key`` and ``cod_ratio``) for P-EAGLE heads."""
   if cfg.variant == "medusa":
     return medusa_loss(params, cfg, batch, rows=rows)
+  if cfg.variant == "peagle":
+    return peagle_loss(params, cfg, embed_VD, batch, num_steps, key,
+                       cod_ratio, rows=rows)
   return ttt_loss(params, cfg, embed_VD, batch, num_steps, rows=rows)
