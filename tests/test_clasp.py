@@ -156,8 +156,8 @@ def test_each_tree_node_has_the_skipping_models_best_children():
   """Invariant: with every candidate kept, each node of CLaSp's tree that
   has children has exactly the W best tokens of the skipping model's
   forward over the node's root path alone on the target's cache of the
-  prefix (one sequence per node, brute force), and the tree is K deep: the block's slots, positions
-  and ancestor mask are right."""
+  prefix (one sequence per node, brute force), and the tree is K deep:
+  the block's slots, positions and ancestor mask are right."""
   cfg, params = _model(4)
   rng = np.random.default_rng(2)
   prompt = rng.integers(0, cfg.vocab_size, (2, 10)).astype(np.int32)

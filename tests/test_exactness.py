@@ -18,9 +18,10 @@ Fast stage: a sampled chain whose draft vocabulary is smaller than V (an
 EAGLE-3 head, Vd = 10), a deterministic chain (n-gram), a model tree (EAGLE-2
 dynamic) and a static tree (the head's 2x2). Long stage: AR (the reference
 agrees with specjax's sampler), the other drafters (draft model, layer-skip,
-CLaSp chain and tree, lookahead, a P-EAGLE block chain, Medusa chain and tree, an MTP module's chain and dynamic
-tree, retrieval, the head's tree merged with the lookup trie) and the
-mutations the check must catch.
+CLaSp chain and tree, lookahead, a P-EAGLE block chain and tree, Medusa
+chain and tree, an MTP module's chain and dynamic tree, retrieval, the
+head's tree merged with the lookup trie) and the mutations the check must
+catch.
 
 The other sampling options the same way, the law from transformers'
 processors (repetition penalty, sequence bias, min-p) and the OpenAI
@@ -205,6 +206,8 @@ def fast_drafters(target):
   pcfg, peagle = _eagle(target, "peagle", mask_token=15)
   return {
       "peagle_block_chain": (EagleDrafter(pcfg), peagle, {}),
+      "peagle_block_tree": (EagleDrafter(pcfg, tree_width=2), peagle,
+                            dict(tree_nodes=4)),
       "lookahead_trie": (LookaheadDrafter(window=3, width=2), None,
                          dict(tree_nodes=4)),
       "eagle3_chain_small_vocab": (EagleDrafter(hcfg), eagle, {}),
@@ -283,7 +286,8 @@ def test_plain_sampling_is_the_reference(target):
     "eagle3_chain_small_vocab", "ngram_chain", "eagle2_dynamic_tree",
     # verify_tree as the dynamic tree; its own case is in the long stage.
     pytest.param("eagle_static_tree_2x2", marks=pytest.mark.long),
-    pytest.param("peagle_block_chain", marks=pytest.mark.long)])
+    pytest.param("peagle_block_chain", marks=pytest.mark.long),
+    pytest.param("peagle_block_tree", marks=pytest.mark.long)])
 def test_fast_drafters_sample_the_target_exactly(target, name):
   """Invariant: each drafter's first four generated tokens follow
   transformers' warped joint law (module doc)."""

@@ -98,17 +98,64 @@ def test_greedy_identity_on_a_ragged_batch():
   assert sum(sum(r.accepted_at) for r in spec.rows) > 0
 
 
+def test_a_block_tree_is_the_best_paths_of_the_marginals():
+  """Invariant: with every candidate kept, a P-EAGLE tree's root children
+  are slot 0's W best tokens and every other expanded node's children slot
+  d's W best (the same for every parent at that depth), K deep; T = 0
+  output through the engine with such trees equals AR's on a ragged
+  batch."""
+  cfg, params, hcfg, dparams = _peagle(seed=1)
+  K, W = 3, 2
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, 37, (2, 10)).astype(np.int32)
+  feats = rng.normal(size=(2, 9, 3 * cfg.dim)).astype(np.float32)
+  drafter = EagleDrafter(hcfg, tree_width=W)
+  prompt = Context(tokens=jnp.asarray(tokens[:, :9]),
+                   num_tokens=jnp.full((2,), 9, jnp.int32))
+  state = drafter.init(dparams, prompt, S, K, jnp.asarray(feats))
+  ctx = Context(tokens=jnp.asarray(tokens), num_tokens=jnp.full((2,), 10))
+  C = W + (K - 1) * W * W
+  tree = drafter.propose_tree(dparams, state, ctx, None, K, C, None).tree
+  out = drafter.block_outputs(dparams, *drafter._start(dparams, state, ctx,
+                                                       K), K)
+  best = np.argsort(-np.asarray(drafter._call(dparams, "logits", out)),
+                    axis=-1)[..., :W]
+  tok, par = np.asarray(tree.tokens), np.asarray(tree.parents)
+  for b in range(2):
+    depth = {0: 0}
+    for m in range(1, C + 1):
+      depth[m] = depth[int(par[b, m])] + 1
+    assert max(depth.values()) == K
+    for m in range(C + 1):
+      kids = [int(tok[b, c]) for c in range(1, C + 1) if par[b, c] == m]
+      if kids:
+        assert sorted(kids) == sorted(best[b, depth[m]].tolist()), (b, m)
+
+  from specjax.models.registry import Model
+  model = Model(target=Decoder(cfg), params=params, tokenizer=None)
+  prompts = [[5, 6, 7, 8, 5, 6, 7], [9, 1, 9], [3, 4, 3, 4, 3, 4, 3, 4]]
+  ar = runner.generate_ids(model, prompts, max_new_tokens=20,
+                           min_new_tokens=20)
+  spec = runner.generate_ids(model, prompts, max_new_tokens=20,
+                             min_new_tokens=20, method=Method(
+                                 drafter, dparams, K, 6))
+  assert [r.output_ids for r in spec.rows] == [r.output_ids for r in ar.rows]
+  assert sum(sum(r.accepted_at) for r in spec.rows) > 0
+
+
 def test_a_peagle_config_is_refused_where_it_cannot_work():
   """Invariant: a P-EAGLE head needs a placeholder token in the vocabulary,
-  and only P-EAGLE heads take one; its trees are refused in one line."""
+  and only P-EAGLE heads take one; a static tree shape is refused in one
+  line (its trees come from the block's marginals)."""
   cfg, _ = testing.tiny("llama_gqa_tied")
   with pytest.raises(ValueError, match="mask_token must be a token id"):
     HeadConfig.for_target(cfg, 37, variant="peagle", taps=(0, 1, 2))
   with pytest.raises(ValueError, match="mask_token is for P-EAGLE heads"):
     HeadConfig.for_target(cfg, 37, taps=(0, 1, 2), mask_token=3)
   _, _, hcfg, dparams = _peagle()
-  with pytest.raises(ValueError, match="a P-EAGLE head drafts chains"):
-    EagleDrafter(hcfg).propose_tree(dparams, None, None, None, 3, 6, None)
+  with pytest.raises(ValueError, match="not a static tree_shape"):
+    EagleDrafter(hcfg, tree_shape=(0, 0, 1)).propose_tree(
+        dparams, None, None, None, 2, 3, None)
 
 
 def test_cod_layout_equals_the_rule_written_entry_by_entry():
@@ -185,8 +232,8 @@ def test_a_head_trained_on_cod_depths_drafts_its_block():
   its block's last slot accepted a quarter of the steps more than the
   untrained head (which drafts nothing deep), the first > 80%, and greedy
   output stays AR's: the training layout (tokens, placeholders, positions,
-  mask) is the one drafting runs. The loss's gap above its floor (the target's entropy)
-  halves."""
+  mask) is the one drafting runs. The loss's gap above its floor (the
+  target's entropy) halves."""
   from specjax.core import engine
   from specjax.training.ttt import peagle_loss
   from tests.test_eagle_ttt import greedy_batch, greedy_decode, overfit

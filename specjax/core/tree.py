@@ -307,10 +307,11 @@ def best_first(score_BW: jax.Array, tok_BW: jax.Array, grow, nodes, shared,
   """EAGLE-2's dynamic tree candidates, level by level: the W best tokens
   under the root (``tok``, their log-probabilities ``score``), then under
   each of the W best nodes of the level before (by cumulative
-  log-probability), their W best children. ``grow(level, tokens [B, W], nodes, shared) -> (logp
-  [B, W, W], children [B, W, W], nodes, shared)`` scores the frontier's
-  children; ``nodes`` (leaves ``[B, W, ...]``, one per frontier node) is
-  passed on to each picked child from its parent, ``shared`` as is.
+  log-probability), their W best children. ``grow(level, tokens [B, W],
+  nodes, shared) -> (logp [B, W, W], children [B, W, W], nodes, shared)``
+  scores the frontier's children; ``nodes`` (leaves ``[B, W, ...]``, one
+  per frontier node) is passed on to each picked child from its parent,
+  ``shared`` as is.
   Returns ``(tokens, scores, parents)`` for ``select``, each ``[B, C]``
   with C = W + (num_levels - 1) W² in level order (parents -1 for the
   root's children)."""

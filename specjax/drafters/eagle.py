@@ -239,9 +239,9 @@ class EagleDrafter:
     """An EAGLE-2 dynamic tree (module doc), ``num_draft`` levels deep, or
     the static ``tree_shape``."""
     del key, sampling  # the tree is the head's top-k: no draws
-    if self.cfg.variant == "peagle":
-      raise ValueError("a P-EAGLE head drafts chains (trees from its "
-                       "block's marginals are not built yet)")
+    if self.cfg.variant == "peagle" and self.tree_shape:
+      raise ValueError("a P-EAGLE head's trees are built from its block's "
+                       "marginals, not a static tree_shape")
     if self.tree_shape:
       shape = trees.Shape(self.tree_shape)
       shape.check(num_nodes, num_draft, self.cfg.draft_vocab)
@@ -253,6 +253,10 @@ class EagleDrafter:
     if self.tree_shape:
       tree, _ = self._expand_static(params, state, stable_B, a_BD, root_B,
                                     shape)
+    elif self.cfg.variant == "peagle":
+      tokens_BC, scores_BC, parents_BC = self._expand_block(
+          params, state, stable_B, a_BD, num_draft)
+      tree = trees.select(root_B, tokens_BC, scores_BC, parents_BC, num_nodes)
     else:
       tokens_BC, scores_BC, parents_BC = self._expand(
           params, state, stable_B, a_BD, num_draft)
@@ -265,6 +269,24 @@ class EagleDrafter:
     logp_BXV = jax.nn.log_softmax(self._call(params, "logits", out_BXD))
     lp_BXC, idx_BXC = jax.lax.top_k(logp_BXV, c)
     return lp_BXC, params.draft_ids[idx_BXC].astype(jnp.int32)
+
+  def _expand_block(self, params, state: EagleState, stable_B, a_BD,
+                    num_draft):
+    """Candidates of a tree from a P-EAGLE block's K marginals
+    (``trees.best_first`` without a forward per level): depth d's children
+    of any node are the W best tokens of slot d - 1, scored by the sum of
+    their slots' log-probabilities, since no slot saw another's token."""
+    out_BKD = self.block_outputs(params, state, stable_B, a_BD, num_draft)
+    lp_BKW, tok_BKW = self._top(params, out_BKD, self.tree_width)
+    B, _, W = tok_BKW.shape
+    each = lambda a_BW: jnp.broadcast_to(a_BW[:, None], (B, W, W))
+
+    def grow(level, tok_BW, nodes, shared):
+      del tok_BW  # every node's children are the same slot's best
+      lp_BWW, kid_BWW = (each(a[:, level + 1]) for a in (lp_BKW, tok_BKW))
+      return lp_BWW, kid_BWW, nodes, shared
+    return trees.best_first(lp_BKW[:, 0], tok_BKW[:, 0], grow, (), (),
+                            num_draft)
 
   def _expand_static(self, params, state: EagleState, stable_B, a_BD,
                      root_B, shape):

@@ -25,9 +25,10 @@ suffix matches, which covers what seeding the pool with the prompt's
 n-grams would, and finds longer matches first) and of the ``width`` newest
 pool n-grams keyed by that token, K deep (the engine's ``num_draft``; the
 pool's paths are L <= K deep, the context's up to K). The trie depends
-only on committed tokens and on the target's greedy outputs at earlier steps, never on this step's draws, so
-``verify_tree`` is exact at every temperature: the longest greedy match at
-T = 0, the target's distribution at T > 0 (``core.tree``).
+only on committed tokens and on the target's greedy outputs at earlier
+steps, never on this step's draws, so ``verify_tree`` is exact at every
+temperature: the longest greedy match at T = 0, the target's distribution
+at T > 0 (``core.tree``).
 
 Every leaf of the state leads with the batch axis; the pool is a ring of
 fixed size per row (the oldest n-grams overwritten), an n-gram already in it

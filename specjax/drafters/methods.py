@@ -411,9 +411,9 @@ class _Head(_Own):
     if self.name == "medusa" and self.tree_nodes and not self.tree_shape:
       raise MethodError("Medusa trees are static: give tree_shape (e.g. "
                         "2x2x1) instead of tree_nodes")
-    if self.name == "peagle" and self.tree_nodes:
-      raise MethodError("peagle drafts chains: trees from its block's "
-                        "marginals are not built yet")
+    if self.name == "peagle" and self.tree_shape:
+      raise MethodError("peagle's trees come from its block's marginals: "
+                        "give tree_nodes and tree_width, not tree_shape")
 
   def build(self, model):
     built = _head(model, self)

@@ -81,7 +81,8 @@ class HeadConfig:
                        f"got {self.medusa_heads} for {self.variant}")
     if self.feed_normed and self.variant != "mtp":
       raise ValueError(f"feed_normed is for MTP heads, not {self.variant}")
-    if self.variant == "peagle" and not 0 <= self.mask_token < self.target_vocab:
+    if (self.variant == "peagle"
+        and not 0 <= self.mask_token < self.target_vocab):
       raise ValueError(f"a P-EAGLE head's mask_token must be a token id in "
                        f"[0, {self.target_vocab}), got {self.mask_token}")
     if self.variant != "peagle" and self.mask_token != -1:

@@ -145,8 +145,8 @@ def init_head(key, hcfg: HeadConfig, target: Target, target_params,
               vocab: DraftVocab):
   """Random init, then warm starts from the target: the LM head from the
   target's output rows of the draft vocabulary, and the target's final norm
-  (EAGLE-3 and P-EAGLE: the head's output norm; EAGLE-1, Medusa: the feature norm; MTP:
-  both)."""
+  (EAGLE-3 and P-EAGLE: the head's output norm; EAGLE-1, Medusa: the
+  feature norm; MTP: both)."""
   B, T = 1, 4
   params = head_module(hcfg).init(
       key, jnp.zeros((B, T, len(hcfg.taps) * hcfg.target_dim)),
