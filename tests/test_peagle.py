@@ -86,14 +86,18 @@ def test_greedy_identity_on_a_ragged_batch():
   batch (an untrained head: most drafts rejected, some first ones
   accepted; deeper slots are accepted once a head is trained)."""
   cfg, params, hcfg, dparams = _peagle(seed=1)
+  _greedy_identity(cfg, params, Method(EagleDrafter(hcfg), dparams, 4, 0))
+
+
+def _greedy_identity(cfg, params, method):
+  """Asserts ``method`` emits AR's tokens at T = 0 on a ragged batch of the
+  tiny target, with drafts accepted."""
   from specjax.models.registry import Model
   model = Model(target=Decoder(cfg), params=params, tokenizer=None)
   prompts = [[5, 6, 7, 8, 5, 6, 7], [9, 1, 9], [3, 4, 3, 4, 3, 4, 3, 4]]
-  ar = runner.generate_ids(model, prompts, max_new_tokens=20,
-                           min_new_tokens=20)
-  spec = runner.generate_ids(model, prompts, max_new_tokens=20,
-                             min_new_tokens=20, method=Method(
-                                 EagleDrafter(hcfg), dparams, 4, 0))
+  run = lambda method: runner.generate_ids(
+      model, prompts, max_new_tokens=20, min_new_tokens=20, method=method)
+  ar, spec = run(None), run(method)
   assert [r.output_ids for r in spec.rows] == [r.output_ids for r in ar.rows]
   assert sum(sum(r.accepted_at) for r in spec.rows) > 0
 
@@ -130,17 +134,7 @@ def test_a_block_tree_is_the_best_paths_of_the_marginals():
       kids = [int(tok[b, c]) for c in range(1, C + 1) if par[b, c] == m]
       if kids:
         assert sorted(kids) == sorted(best[b, depth[m]].tolist()), (b, m)
-
-  from specjax.models.registry import Model
-  model = Model(target=Decoder(cfg), params=params, tokenizer=None)
-  prompts = [[5, 6, 7, 8, 5, 6, 7], [9, 1, 9], [3, 4, 3, 4, 3, 4, 3, 4]]
-  ar = runner.generate_ids(model, prompts, max_new_tokens=20,
-                           min_new_tokens=20)
-  spec = runner.generate_ids(model, prompts, max_new_tokens=20,
-                             min_new_tokens=20, method=Method(
-                                 drafter, dparams, K, 6))
-  assert [r.output_ids for r in spec.rows] == [r.output_ids for r in ar.rows]
-  assert sum(sum(r.accepted_at) for r in spec.rows) > 0
+  _greedy_identity(cfg, params, Method(drafter, dparams, K, 6))
 
 
 def test_a_peagle_config_is_refused_where_it_cannot_work():
