@@ -95,9 +95,9 @@ def _greedy_identity(cfg, params, method):
   from specjax.models.registry import Model
   model = Model(target=Decoder(cfg), params=params, tokenizer=None)
   prompts = [[5, 6, 7, 8, 5, 6, 7], [9, 1, 9], [3, 4, 3, 4, 3, 4, 3, 4]]
-  run = lambda method: runner.generate_ids(
-      model, prompts, max_new_tokens=20, min_new_tokens=20, method=method)
-  ar, spec = run(None), run(method)
+  run = lambda **kw: runner.generate_ids(
+      model, prompts, max_new_tokens=20, min_new_tokens=20, **kw)
+  ar, spec = run(), run(method=method)
   assert [r.output_ids for r in spec.rows] == [r.output_ids for r in ar.rows]
   assert sum(sum(r.accepted_at) for r in spec.rows) > 0
 
