@@ -279,8 +279,8 @@ class _Own:
           f"{', '.join(DYNAMIC_K)}; {self.spec.label()} would ignore it")
     if self.spec.tree_width != _DEFAULT_WIDTH and not self.widens():
       raise MethodError(
-          f"tree_width is for dynamic trees (ngram, ngram+retrieval, "
-          f"lookahead, clasp, eagle, eagle3, mtp, or a head's lookup trie); "
+          f"tree_width is for dynamic trees and a head's lookup trie "
+          f"({', '.join(sorted(readers('tree_width')))}); "
           f"{self.spec.label()} would ignore it")
 
   def widens(self) -> bool:

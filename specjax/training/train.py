@@ -155,9 +155,9 @@ def init_head(key, hcfg: HeadConfig, target: Target, target_params,
   params = dict(params)
   params["lm_head"] = {
       "kernel": draft_rows(target.lm_head(target_params), vocab).T}
-  norms = dict(eagle3=("norm",), peagle=("norm",),
-               mtp=("feature_norm", "norm")).get(hcfg.variant,
-                                                 ("feature_norm",))
+  norms = (("norm",) if fuses_taps(hcfg.variant) else
+           ("feature_norm", "norm") if hcfg.variant == "mtp" else
+           ("feature_norm",))
   try:
     scale_D, _ = target.output_norm(target_params)
   except NotImplementedError as e:
