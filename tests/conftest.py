@@ -1,5 +1,6 @@
 """Shared fixtures: strict JAX numerics, tiny reference models, the real model."""
 
+import gc
 import os
 import pathlib
 
@@ -34,6 +35,18 @@ jax.config.update("jax_compilation_cache_dir",
                   os.environ["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs",
                   float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+  """After each module, its compiled programs go. Each holds a few hundred
+  memory mappings of its code, and a process may hold 65,530 (Linux's
+  default vm.max_map_count): an xdist worker that kept every program of the
+  suite reached it and crashed inside XLA."""
+  yield
+  from specjax.core import runner
+  runner.clear_compiled()
+  gc.collect()
 
 
 @pytest.fixture(scope="session")

@@ -382,6 +382,40 @@ def test_runner_takes_per_row_budgets_minimums_and_stops():
       runner.generate_ids(model, prompts, **kw)
 
 
+def test_compiled_programs_go_near_the_mapping_limit(monkeypatch):
+  """Invariant: ``clear_compiled`` gives back the memory mappings of every
+  program ``generate_ids`` compiled (a few hundred each), and
+  ``generate_ids`` calls it itself, before compiling, once the process
+  holds over three quarters of the mappings it may (65,530 by default on
+  Linux; a test worker that kept every program crashed inside XLA there)."""
+  import gc
+  import os
+  from specjax.core import runner
+  if not os.path.exists("/proc/self/maps"):
+    pytest.skip("counts mappings in /proc/self/maps (Linux)")
+  model = testing.tiny_model()
+  batches = ([[5, 6, 7]], [[5] * 33], [[5, 6, 7]] * 2)  # three programs
+  first = runner.generate_ids(model, batches[0], max_new_tokens=4).rows
+  runner.clear_compiled()
+  gc.collect()
+  before = runner._mappings_held()
+  for prompts in batches[:2]:
+    runner.generate_ids(model, prompts, max_new_tokens=4)
+  held = runner._mappings_held()
+  assert held - before > 2 * 100, (before, held)
+  monkeypatch.setattr(runner, "_mapping_limit", lambda: held)
+  runner.generate_ids(model, batches[2], max_new_tokens=4)
+  gc.collect()
+  assert len(runner._EXECUTABLES) == 1
+  assert runner._mappings_held() < held - 100, (before, held)
+  monkeypatch.undo()
+  again = runner.generate_ids(model, batches[0], max_new_tokens=4).rows
+  assert again[0].output_ids == first[0].output_ids  # compiled anew
+  runner.clear_compiled()
+  gc.collect()
+  assert runner._mappings_held() < before + 50, (before, held)
+
+
 def test_rows_report_speculation_in_vllms_per_request_schema():
   """Invariant: ``RowResult.spec_metrics`` has vLLM's per-request fields,
   consistent with the row's own counts: steps = the histogram's total,

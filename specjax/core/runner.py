@@ -402,11 +402,47 @@ _EXECUTABLES: dict = {}
 
 
 def _compiled(args, kw, model: Model, dcfg: engine.DecodeConfig):
-  """The compiled ``generate`` for these argument shapes (compiled once)."""
+  """The compiled ``generate`` for these argument shapes (compiled once).
+  Before compiling, a process near its memory-mapping limit lets every
+  compiled program go (``clear_compiled``)."""
   tree = (args, kw)
   key = (model.target, dcfg, jax.tree_util.tree_structure(tree),
          tuple((x.shape, x.dtype) for x in jax.tree_util.tree_leaves(tree)))
   if key not in _EXECUTABLES:
+    if _mappings_held() > _mapping_limit() * 3 // 4:
+      clear_compiled()
     _EXECUTABLES[key] = engine.generate_jit.lower(
         *args, **kw, target=model.target, dcfg=dcfg).compile()
   return _EXECUTABLES[key]
+
+
+def clear_compiled() -> None:
+  """Lets every compiled program go: this module's and JAX's caches
+  (``jax.clear_caches()``), which hold each program it compiled. A compiled
+  CPU program holds 500-2,000 memory mappings of its code (SmolLM2) and a
+  Linux process may hold 65,530 by default (``vm.max_map_count``): past it
+  XLA crashes. ``generate_ids`` calls this itself past three quarters of
+  the limit (a benchmark of 9 methods on 4 prompt lengths holds ~40
+  programs, about 40,000); a long sweep may call it between
+  configurations."""
+  _EXECUTABLES.clear()
+  jax.clear_caches()
+
+
+def _mappings_held() -> int:
+  """Memory mappings this process holds (0 where ``/proc`` has none)."""
+  try:
+    with open("/proc/self/maps") as f:
+      return sum(1 for _ in f)
+  except OSError:
+    return 0
+
+
+def _mapping_limit() -> int:
+  """The most mappings a process may hold (Linux's ``vm.max_map_count``;
+  its default where it cannot be read)."""
+  try:
+    with open("/proc/sys/vm/max_map_count") as f:
+      return int(f.read())
+  except (OSError, ValueError):
+    return 65530
