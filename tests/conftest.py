@@ -39,14 +39,17 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs",
 
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs():
-  """After each module, its compiled programs go. Each holds a few hundred
-  memory mappings of its code, and a process may hold 65,530 (Linux's
-  default vm.max_map_count): an xdist worker that kept every program of the
-  suite reached it and crashed inside XLA."""
+  """After a module, if the process holds over a quarter of the memory
+  mappings it may, every compiled program goes (``runner.clear_compiled``).
+  Each holds hundreds of mappings of its code, a process may hold 65,530
+  (Linux's default vm.max_map_count), and an xdist worker that kept every
+  program of the suite reached it and crashed inside XLA; the busiest
+  module adds ~35,000."""
   yield
   from specjax.core import runner
-  runner.clear_compiled()
-  gc.collect()
+  if runner._mappings_held() > runner._mapping_limit() // 4:
+    runner.clear_compiled()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")

@@ -422,9 +422,8 @@ def clear_compiled() -> None:
   CPU program holds 500-2,000 memory mappings of its code (SmolLM2) and a
   Linux process may hold 65,530 by default (``vm.max_map_count``): past it
   XLA crashes. ``generate_ids`` calls this itself past three quarters of
-  the limit (a benchmark of 9 methods on 4 prompt lengths holds ~40
-  programs, about 40,000); a long sweep may call it between
-  configurations."""
+  the limit (a benchmark of 9 methods over 4 prompt lengths holds ~36
+  programs); a long sweep may call it between configurations."""
   _EXECUTABLES.clear()
   jax.clear_caches()
 
