@@ -138,14 +138,16 @@ def target(tmp_path_factory):
 
 
 def generate(target, drafter=None, drafter_params=None, seed=0,
-             sampling=SAMPLING, rows=None, check_len=True, **kw):
+             sampling=SAMPLING, rows=None, check_len=True,
+             run=engine.generate_jit, **kw):
   """The first NEW generated tokens of N rows as one cell index each, and
-  the final state."""
+  the final state (``run``: the engine's ``generate_jit`` or another
+  loop's with its signature)."""
   cfg, params = target[:2]
   L, V = len(PROMPT), cfg.vocab_size
   dcfg = engine.DecodeConfig(capacity=32, sampling=sampling, drafter=drafter,
                              num_draft=K if drafter else 0, **kw)
-  st = engine.generate_jit(params, jnp.tile(jnp.asarray([PROMPT], jnp.int32),
+  st = run(params, jnp.tile(jnp.asarray([PROMPT], jnp.int32),
                                             (N, 1)),
                            jnp.full((N,), L, jnp.int32), jax.random.key(seed),
                            np.int32(NEW), target=Decoder(cfg), dcfg=dcfg,
@@ -270,7 +272,7 @@ def _check(target, drafter, dparams, kw, sampling=SAMPLING, expected=None):
   accepted = np.asarray(st.accepted_at)  # [N, K]: accepted at each depth
   assert (np.asarray(st.num_drafted) > 0).mean() > 0.9
   assert (accepted[:, K - 1] > 0).mean() > 0.002, accepted.mean(0)
-  return stat, crit
+  return st
 
 
 @pytest.mark.long
@@ -313,6 +315,47 @@ def test_other_drafters_sample_the_target_exactly(target, name,
                                                   tmp_path_factory):
   """Invariant: as the fast test, for every other kind of drafter."""
   _check(target, *long_drafters(target, tmp_path_factory)[name])
+
+
+def _first_new_draft_tested_a_position_early(monkeypatch):
+  """PEARL tests its first new draft against the logits of the position
+  before its own (the last pending draft's)."""
+  from specjax.core import pearl
+  tested_at = pearl._tested_at
+  monkeypatch.setattr(pearl, "_tested_at", lambda length_B, first_B, K: (
+      tested_at(jnp.where(first_B, jnp.maximum(length_B - 1, 1), length_B),
+                first_B, K)))
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("mutation", [None, "first_new_draft_tested_early"])
+def test_pearl_samples_the_target_exactly(target, mutation, monkeypatch,
+                                          tmp_path_factory):
+  """Invariant: PEARL (``core.pearl``) with the draft model at K = 2
+  follows the law: its pending draft tested a step after it was drawn, its
+  first new draft at the bonus position, and both modes within the four
+  tokens (counted). Mutation check: it FAILS when the first new draft is
+  tested at the position before its own. (Drafts kept pending behind a
+  rejected token would still be exact, only wasted: the test uses the
+  distribution each was drawn from.)"""
+  from specjax.core import pearl
+  drafter, dparams, kw = long_drafters(target,
+                                       tmp_path_factory)["draft_model_chain"]
+  if mutation is None:
+    st = _check(target, drafter, dparams, dict(kw, run=pearl.generate_jit))
+    pend = st.drafter_state
+    assert (np.asarray(pend.post_steps) > 0).mean() > 0.05
+    assert (np.asarray(pend.pre_steps) > 0).all()
+    return
+  _first_new_draft_tested_a_position_early(monkeypatch)
+  jax.clear_caches()
+  try:
+    cells, _ = generate(target, drafter, dparams, run=pearl.generate_jit,
+                        **kw)
+  finally:
+    jax.clear_caches()
+  stat, crit = chi_square(cells, target[2])
+  assert stat > crit, (stat, crit)
 
 
 # Every option at once, each biting within the four tokens: the prompt

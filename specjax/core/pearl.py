@@ -1,0 +1,246 @@
+"""PEARL (Liu et al., 2024): the drafter drafts the next block while the
+target verifies the previous one, so neither waits for the other.
+
+Each row carries P pending drafts: drafted in the previous step, not yet
+scored by the target. A step, for every row at once:
+
+- the target scores ``[newest token, pending]`` (one forward over the
+  block of K tokens, K = ``DecodeConfig.num_draft``);
+- the drafter drafts K tokens after the committed tokens *and* the pending
+  ones, as if every pending draft were accepted;
+- the chain ``pending + [first new draft]`` is verified exactly
+  (``verify.verify_chain``) against the target's logits at those
+  positions: the block's last scored position, where a plain step would
+  sample its bonus token, tests the first new draft instead;
+- all accepted: they are emitted and the other K - 1 new drafts become
+  pending (PEARL's post-verify mode); a rejection emits the accepted
+  prefix and the residual draw and leaves nothing pending (pre-verify: the
+  next step's block is the newest token alone, its one scored position
+  testing the next first draft).
+
+The two halves read nothing of each other's output, which is what lets
+them run at once on two device groups. Exactness is the chain rule's: every
+emitted token passed the accept/reject test against the target's
+distribution given the committed prefix before it, with the draft
+distribution it was drawn from, and a pending draft is only ever tested
+after every token it was drafted behind was accepted (a rejection drops
+the drafts made behind it). A step emits the accepted chain and never a
+bonus token after an accepted first draft: its position is the next
+pending draft's.
+
+Drafters: chain drafters that need nothing of the target's but the
+committed tokens (a draft model, layer-skip, n-gram); a drafter reading the
+target's features or cache cannot draft behind tokens the target has not
+scored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from specjax.core import engine
+from specjax.core.rows import set_at_rows
+from specjax.core.sampling import RowSampling, split
+from specjax.drafters.base import Context, RidingDrafter
+from specjax.models.target import Target
+
+
+@struct.dataclass
+class Pending:
+  """PEARL's drafter state: the inner drafter's, and each row's pending
+  drafts.
+
+  Attributes:
+    inner: the drafter's own state.
+    tokens: ``int32[B, K]`` pending drafts first (entries past ``num``
+      unused).
+    probs: ``f32[B, K, V]`` the distributions they were drawn from.
+    num: ``int32[B]`` pending drafts, in ``[0, K - 1]``.
+    pre_steps: ``int32[B]`` steps the row took with nothing pending
+      (pre-verify).
+    post_steps: ``int32[B]`` steps with drafts pending (post-verify).
+  """
+  inner: Any
+  tokens: jax.Array
+  probs: jax.Array
+  num: jax.Array
+  pre_steps: jax.Array
+  post_steps: jax.Array
+
+
+def check_config(dcfg: engine.DecodeConfig) -> None:
+  """Refuses what PEARL cannot run, with one line naming it."""
+  drafter = dcfg.drafter
+  if drafter is None:
+    raise ValueError("PEARL needs a drafter (a draft model, layer-skip, "
+                     "n-gram)")
+  if dcfg.tree_nodes:
+    raise ValueError(f"PEARL drafts chains; tree_nodes={dcfg.tree_nodes} "
+                     "is not supported")
+  if (tuple(drafter.feature_taps) or isinstance(drafter, RidingDrafter)
+      or getattr(drafter, "reads_target_cache", False)):
+    raise ValueError(f"PEARL drafts behind tokens the target has not "
+                     f"scored: {type(drafter).__name__} reads the target's "
+                     "features or cache")
+
+
+def _speculative(state: engine.DecodeState) -> engine.DecodeState:
+  """The state with each row's pending drafts appended to its tokens, as
+  the drafter drafts behind them."""
+  pend = state.drafter_state
+  K = pend.tokens.shape[1]
+  idx_K = jnp.arange(K)[None, :]
+  slots_BK = jnp.where(idx_K < pend.num[:, None],
+                       state.num_tokens[:, None] + idx_K,
+                       state.tokens.shape[1])
+  return state.replace(
+      tokens=set_at_rows(state.tokens, slots_BK, pend.tokens, mode="drop"),
+      num_tokens=state.num_tokens + pend.num)
+
+
+def _chain(pend: Pending, drafts_BK, probs_BKV, num_drafted_B):
+  """The chain a step verifies, ``(tokens [B, K], probs [B, K, V],
+  length [B])``: the pending drafts, then the first new draft if the
+  drafter drafted one."""
+  K = pend.tokens.shape[1]
+  at_B = pend.num
+  idx_BK = jnp.broadcast_to(jnp.arange(K)[None, :], drafts_BK.shape)
+  first_B = idx_BK == at_B[:, None]
+  tokens = jnp.where(first_B, drafts_BK[:, :1], pend.tokens)
+  probs = jnp.where(first_B[..., None], probs_BKV[:, :1], pend.probs)
+  return tokens, probs, at_B + (num_drafted_B > 0)
+
+
+def _next_pending(pend: Pending, drafts_BK, probs_BKV, num_drafted_B,
+                  all_accepted_B, live_B) -> Pending:
+  """What stays pending after the step: the new drafts after the first when
+  the whole chain, the first new draft included, was accepted; else
+  nothing (they were drafted behind a rejected token)."""
+  keep_B = all_accepted_B & (num_drafted_B > 0)
+  roll = lambda a: jnp.roll(a, -1, axis=1)
+  return pend.replace(
+      tokens=roll(drafts_BK), probs=roll(probs_BKV),
+      num=jnp.where(keep_B, num_drafted_B - 1, 0),
+      pre_steps=pend.pre_steps + (live_B & (pend.num == 0)),
+      post_steps=pend.post_steps + (live_B & (pend.num > 0)))
+
+
+def _draft_and_score(params, state: engine.DecodeState, key, *,
+                     target: Target, dcfg: engine.DecodeConfig,
+                     drafter_params):
+  """The step's two halves, neither reading the other's output: the
+  drafter's K drafts behind the pending ones (``(proposal, its
+  distributions)``: one-hot for a deterministic drafter) and the target's
+  forward over ``[newest, pending]``."""
+  pend = state.drafter_state
+  K, V = dcfg.k, target.config.vocab_size
+  ahead = _speculative(state)
+  prop = dcfg.drafter.propose(drafter_params, pend.inner, ahead.context, key,
+                              K, ahead.sampler(dcfg, V))
+  probs_BKV = (jax.nn.one_hot(prop.tokens, V, dtype=jnp.float32)
+               if prop.probs is None else prop.probs)
+  block_BK = jnp.concatenate([state.context.newest()[:, None],
+                              pend.tokens[:, :K - 1]], axis=1)
+  out = engine._verify_forward(params, target, block_BK, state.cache, (), K)
+  return prop, probs_BKV, out
+
+
+def _tested_at(length_B, first_new_B, K: int) -> jax.Array:
+  """``int32[B, K + 1]``: the scored block position whose logits each
+  verify position reads. Draft j is tested at position j - 1 and a bonus
+  drawn at ``length``: a scored pending token's position, unless the chain
+  ends with the first new draft, which takes no bonus (the position, K at
+  most, is the next pending draft's). Positions past the last one read
+  carry its logits, so they are finite where it is."""
+  last_B = jnp.where(first_new_B, length_B - 1, length_B)
+  return jnp.minimum(jnp.arange(K + 1)[None, :], last_B[:, None])
+
+
+def _verify(state: engine.DecodeState, prop, probs_BKV, logits_BKV,
+            live_B, key, dcfg: engine.DecodeConfig, vocab_size: int):
+  """The chain ``pending + [first new draft]`` verified
+  (``engine._verify``): ``(result, log-probs, rows that stop non-finite,
+  chain length, whether the chain ends with the first new draft)``."""
+  pend = state.drafter_state
+  tokens_BK, chain_BKV, length_B = _chain(pend, prop.tokens, probs_BKV,
+                                          prop.num_drafted)
+  room_B = jnp.maximum(dcfg.capacity - state.num_tokens - 1, 0)
+  length_B = jnp.minimum(length_B, room_B)
+  first_new_B = (prop.num_drafted > 0) & (length_B == pend.num + 1)
+  at_BW = _tested_at(length_B, first_new_B, dcfg.k)
+  draft = engine._Draft(
+      block=jnp.concatenate([state.context.newest()[:, None], tokens_BK], 1),
+      num_drafted=length_B, drafter_state=None, probs=chain_BKV)
+  res, _, logprobs, nonfinite_B = engine._verify(
+      state, draft, jnp.take_along_axis(logits_BKV, at_BW[..., None], 1),
+      live_B, state.sampler(dcfg, vocab_size), key, dcfg)
+  return res, logprobs, nonfinite_B, length_B, first_new_B
+
+
+def step(params, state: engine.DecodeState, *, target: Target,
+         dcfg: engine.DecodeConfig,
+         drafter_params: Any = None) -> engine.DecodeState:
+  """One PEARL step (module doc): draft behind the pending drafts and
+  score ``[newest, pending]``, verify the chain, emit, commit, tally."""
+  live_B = ~state.done
+  key, k_draft, k_verify = split(state.key, 3)
+  prop, probs_BKV, out = _draft_and_score(
+      params, state, k_draft, target=target, dcfg=dcfg,
+      drafter_params=drafter_params)
+  res, logprobs, nonfinite_B, length_B, first_new_B = _verify(
+      state, prop, probs_BKV, out.logits, live_B, k_verify, dcfg,
+      target.config.vocab_size)
+  # An accepted first new draft takes no bonus token (module doc).
+  no_bonus_B = first_new_B & (res.num_accepted == length_B) & ~nonfinite_B
+  emitted_B = jnp.where(no_bonus_B, length_B, res.num_emitted)
+  state, n_B, hit_eos_B, hit_stop_B = engine._emit(
+      state, res.tokens, emitted_B, live_B, dcfg, logprobs)
+  nonfinite_B &= (n_B == emitted_B) & ~hit_eos_B & ~hit_stop_B
+  pend = _next_pending(state.drafter_state, prop.tokens, probs_BKV,
+                       prop.num_drafted, no_bonus_B & (n_B == emitted_B),
+                       live_B)
+  state = state.replace(num_tokens=state.num_tokens + n_B, key=key,
+                        drafter_state=pend)
+  inner = dcfg.drafter.commit(drafter_params, prop.state,
+                              _speculative(state).context)
+  state = state.replace(drafter_state=pend.replace(inner=inner))
+  cache = state.cache.write(out.new_kv, state.cache.new_slots(dcfg.k))
+  state = engine._tally(state, cache, live_B, jnp.any(live_B), length_B,
+                        res.num_accepted, dcfg.k)
+  return engine._laid_out(engine._update_stops(
+      state, hit_eos_B, dcfg, nonfinite_B, hit_stop_B=hit_stop_B),
+      target, dcfg)
+
+
+def generate(params, prompt_BT: jax.Array, prompt_lengths_B: jax.Array,
+             key: jax.Array, max_new_tokens: jax.Array | int, *,
+             target: Target, dcfg: engine.DecodeConfig,
+             drafter_params: Any = None,
+             min_new_tokens: jax.Array | int = 0,
+             sampling: Optional[RowSampling] = None) -> engine.DecodeState:
+  """``engine.prefill``, then PEARL steps until every row has stopped, in
+  one while_loop (the arguments are ``engine.generate``'s). The returned
+  state's ``drafter_state`` is the ``Pending`` with its step counts."""
+  check_config(dcfg)
+  state = engine.prefill(params, prompt_BT, prompt_lengths_B, key,
+                         max_new_tokens, target=target, dcfg=dcfg,
+                         drafter_params=drafter_params,
+                         min_new_tokens=min_new_tokens, sampling=sampling)
+  B, K, V = prompt_BT.shape[0], dcfg.k, target.config.vocab_size
+  zeros_B = jnp.zeros((B,), jnp.int32)
+  state = state.replace(drafter_state=Pending(
+      inner=state.drafter_state, tokens=jnp.zeros((B, K), jnp.int32),
+      probs=jnp.zeros((B, K, V), jnp.float32), num=zeros_B,
+      pre_steps=zeros_B, post_steps=zeros_B))
+  return jax.lax.while_loop(
+      lambda s: jnp.any(~s.done),
+      lambda s: step(params, s, target=target, dcfg=dcfg,
+                     drafter_params=drafter_params),
+      state)
+
+
+generate_jit = jax.jit(generate, static_argnames=("target", "dcfg"))
