@@ -358,6 +358,24 @@ def test_pearl_samples_the_target_exactly(target, mutation, monkeypatch,
   assert stat > crit, (stat, crit)
 
 
+@pytest.mark.long
+def test_pearl_on_device_groups_samples_the_target_exactly(target, tmp_path):
+  """Invariant: as above with the drafter and the target on disjoint
+  device groups of one mesh (``pearl.make_mesh(data=2)`` over 4 forced
+  host devices, one key per row), both modes counted."""
+  from tests.test_pearl import worker
+  make_tiny("llama_v16", tmp_path / "target", seed=0)
+  make_tiny("llama_v16", tmp_path / "draft", seed=1)
+  np.testing.assert_array_equal(load_hf(tmp_path / "target")[1].embed,
+                                target[1].embed)  # the fixture's model
+  out = worker("sample", tmp_path / "target", tmp_path / "draft",
+               tmp_path / "cells.npy")
+  stat, crit = chi_square(np.load(tmp_path / "cells.npy"), target[2])
+  assert stat < crit, (stat, crit)
+  assert out["pre_steps"] > 0 and out["post_steps"] > 0, out
+  assert out["accepted_last"] > 0.002, out
+
+
 # Every option at once, each biting within the four tokens: the prompt
 # holds every token (repetition), the presence and frequency penalties act
 # on the tokens generated before (drafted ones too), min-p cuts after top-p.

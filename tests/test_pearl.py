@@ -3,6 +3,11 @@ ragged batch, both of its modes run, and what it cannot run is refused. The
 chi-square against transformers' law and its mutation are
 ``test_exactness``'s (long stage)."""
 
+import json
+import os
+import subprocess
+import sys
+
 import jax
 import numpy as np
 import pytest
@@ -14,6 +19,7 @@ from specjax.drafters.eagle import EagleDrafter
 from specjax.heads.base import HeadConfig
 from specjax.models.decoder import Decoder
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [[5, 17, 3, 9, 1, 30], [9, 1, 30, 22, 4, 8, 2, 11, 7], [33, 4]]
 NEW = 24
 
@@ -94,3 +100,41 @@ def test_greedy_output_is_ars_on_smollm2(smollm2):
   pend = st.drafter_state
   assert int(pend.post_steps.sum()) > 0 and int(pend.pre_steps.sum()) > 0
   assert int(np.asarray(st.accepted_at).sum()) > 0
+
+
+def worker(*args) -> dict:
+  """``tests/pearl_worker.py`` on 4 forced host devices (own process: the
+  device count is fixed when JAX starts)."""
+  env = dict(os.environ,
+             XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
+             + " --xla_force_host_platform_device_count=4")
+  proc = subprocess.run([sys.executable, "-m", "tests.pearl_worker",
+                         *map(str, args)], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.long
+def test_greedy_output_on_device_groups_is_ars():
+  """Invariant: on a (role=2, data=2) mesh of forced host devices (the
+  drafter on two devices, the target on the other two, each pair splitting
+  a ragged batch of 4) PEARL emits AR's tokens at T = 0, as it does on one
+  device, with drafts accepted and both modes run."""
+  out = worker("greedy")
+  assert out["equal_one_device"] and out["equal_mesh"], out
+  assert out["pre_steps"] > 0 and out["post_steps"] > 0, out
+  assert out["accepted"] > 0, out
+
+
+def test_a_shared_key_on_device_groups_is_refused(tiny):
+  """Invariant: sampling on device groups with rows split over data and
+  one key for the batch is refused (each device would draw its rows'
+  drafts alike), naming the fix."""
+  cfg, params = tiny
+  from jax.sharding import AbstractMesh
+  mesh = AbstractMesh((2, 2, 1), (pearl.ROLE, "data", "model"))
+  with pytest.raises(ValueError, match="give one key per row"):
+    _decode(pearl.generate_jit, params, cfg, mesh=mesh,
+            drafter=DraftModelDrafter(Decoder(cfg)), num_draft=2,
+            sampling=engine.SamplingParams(0.8))

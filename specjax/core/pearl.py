@@ -18,15 +18,17 @@ scored by the target. A step, for every row at once:
   next step's block is the newest token alone, its one scored position
   testing the next first draft).
 
-The two halves read nothing of each other's output, which is what lets
-them run at once on two device groups. Exactness is the chain rule's: every
+The two halves read nothing of each other's output: on a mesh from
+``make_mesh`` (``DecodeConfig.mesh``) they run at once, the drafter on the
+devices of role 0 and the target on those of role 1 (``_on_groups``); on
+one device, one after the other. Exactness is the chain rule's: every
 emitted token passed the accept/reject test against the target's
-distribution given the committed prefix before it, with the draft
-distribution it was drawn from, and a pending draft is only ever tested
-after every token it was drafted behind was accepted (a rejection drops
-the drafts made behind it). A step emits the accepted chain and never a
-bonus token after an accepted first draft: its position is the next
-pending draft's.
+distribution given the committed prefix before it, with the distribution
+it was drawn from; which prefix the drafter assumed does not enter (a
+rejection drops the drafts made behind it because they were drafted for a
+prefix that did not happen, not for exactness). A step emits the accepted
+chain and never a bonus token after an accepted first draft: its position
+is the next pending draft's.
 
 Drafters: chain drafters that need nothing of the target's but the
 committed tokens (a draft model, layer-skip, n-gram); a drafter reading the
@@ -40,13 +42,30 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
+from jax.sharding import Mesh, PartitionSpec as P
 
-from specjax.core import engine
+from specjax.core import engine, sharding
 from specjax.core.rows import set_at_rows
 from specjax.core.sampling import RowSampling, split
-from specjax.drafters.base import Context, RidingDrafter
+from specjax.drafters.base import RidingDrafter
 from specjax.models.target import Target
+
+
+ROLE = "role"  # the mesh axis between the drafter's devices and the target's
+
+
+def make_mesh(data: int = 1, devices: Optional[list] = None) -> Mesh:
+  """A ``(role=2, data, model=1)`` mesh: role 0's devices draft and role
+  1's score, each group's rows split over ``data`` (``2 * data`` devices,
+  default all of them)."""
+  devices = jax.devices() if devices is None else devices
+  if len(devices) != 2 * data:
+    raise sharding.MeshError(f"PEARL's mesh (role=2, data={data}) needs "
+                             f"{2 * data} devices, there are {len(devices)}")
+  return Mesh(np.asarray(devices).reshape(2, data, 1),
+              (ROLE, sharding.DATA, sharding.MODEL))
 
 
 @struct.dataclass
@@ -129,24 +148,72 @@ def _next_pending(pend: Pending, drafts_BK, probs_BKV, num_drafted_B,
       post_steps=pend.post_steps + (live_B & (pend.num > 0)))
 
 
+def _draft(state: engine.DecodeState, key, *, dcfg: engine.DecodeConfig,
+           vocab_size: int, drafter_params):
+  """The drafter's half: K drafts behind the pending ones, ``(proposal, its
+  distributions)`` (one-hot for a deterministic drafter)."""
+  ahead = _speculative(state)
+  prop = dcfg.drafter.propose(drafter_params, state.drafter_state.inner,
+                              ahead.context, key, dcfg.k,
+                              ahead.sampler(dcfg, vocab_size))
+  probs_BKV = (jax.nn.one_hot(prop.tokens, vocab_size, dtype=jnp.float32)
+               if prop.probs is None else prop.probs)
+  return prop, probs_BKV
+
+
+def _score(params, state: engine.DecodeState, *, target: Target, K: int):
+  """The target's half: its forward over ``[newest, pending]``, ``(logits
+  [B, K, V], new cache entries)``."""
+  block_BK = jnp.concatenate([state.context.newest()[:, None],
+                              state.drafter_state.tokens[:, :K - 1]], axis=1)
+  out = engine._verify_forward(params, target, block_BK, state.cache, (), K)
+  return out.logits, out.new_kv
+
+
 def _draft_and_score(params, state: engine.DecodeState, key, *,
                      target: Target, dcfg: engine.DecodeConfig,
                      drafter_params):
-  """The step's two halves, neither reading the other's output: the
-  drafter's K drafts behind the pending ones (``(proposal, its
-  distributions)``: one-hot for a deterministic drafter) and the target's
-  forward over ``[newest, pending]``."""
-  pend = state.drafter_state
-  K, V = dcfg.k, target.config.vocab_size
-  ahead = _speculative(state)
-  prop = dcfg.drafter.propose(drafter_params, pend.inner, ahead.context, key,
-                              K, ahead.sampler(dcfg, V))
-  probs_BKV = (jax.nn.one_hot(prop.tokens, V, dtype=jnp.float32)
-               if prop.probs is None else prop.probs)
-  block_BK = jnp.concatenate([state.context.newest()[:, None],
-                              pend.tokens[:, :K - 1]], axis=1)
-  out = engine._verify_forward(params, target, block_BK, state.cache, (), K)
-  return prop, probs_BKV, out
+  """The step's two halves, neither reading the other's output:
+  ``((proposal, distributions), (logits, new cache entries))``. On a mesh
+  with a ``role`` axis (``make_mesh``) the drafter runs on role 0's devices
+  and the target on role 1's, at once (``_on_groups``)."""
+  draft = lambda state, key, dparams: _draft(
+      state, key, dcfg=dcfg, vocab_size=target.config.vocab_size,
+      drafter_params=dparams)
+  score = lambda params, state: _score(params, state, target=target,
+                                       K=dcfg.k)
+  mesh = dcfg.mesh
+  if mesh is None or ROLE not in mesh.axis_names:
+    return draft(state, key, drafter_params), score(params, state)
+  return _on_groups(draft, score, params, state, key, drafter_params, mesh)
+
+
+def _on_groups(draft, score, params, state, key, drafter_params, mesh):
+  """``(draft(state, key, drafter_params), score(params, state))``, the
+  first on role 0's devices and the second on role 1's (``shard_map``):
+  each group's rows split over ``data``, the parameters whole. Both
+  results are then summed over ``role``, the other group's being zeros, so
+  every device holds both."""
+  zeros = lambda shapes: jax.tree.map(
+      lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+
+  def both(params, state, key, drafter_params):
+    d = lambda: draft(state, key, drafter_params)
+    s = lambda: score(params, state)
+    halves = jax.lax.cond(jax.lax.axis_index(ROLE) == 0,
+                          lambda: (d(), zeros(jax.eval_shape(s))),
+                          lambda: (zeros(jax.eval_shape(d)), s()))
+    return jax.lax.psum(halves, ROLE)
+
+  B = state.tokens.shape[0]
+  rows = lambda tree: sharding.batch_specs(tree, B, mesh)
+  whole = lambda tree: jax.tree.map(lambda _: P(), tree)
+  shapes = jax.eval_shape(lambda: (draft(state, key, drafter_params),
+                                   score(params, state)))
+  return jax.shard_map(
+      both, mesh=mesh, check_vma=False,
+      in_specs=(whole(params), rows(state), rows(key), whole(drafter_params)),
+      out_specs=rows(shapes))(params, state, key, drafter_params)
 
 
 def _tested_at(length_B, first_new_B, K: int) -> jax.Array:
@@ -188,11 +255,11 @@ def step(params, state: engine.DecodeState, *, target: Target,
   score ``[newest, pending]``, verify the chain, emit, commit, tally."""
   live_B = ~state.done
   key, k_draft, k_verify = split(state.key, 3)
-  prop, probs_BKV, out = _draft_and_score(
+  (prop, probs_BKV), (logits_BKV, new_kv) = _draft_and_score(
       params, state, k_draft, target=target, dcfg=dcfg,
       drafter_params=drafter_params)
   res, logprobs, nonfinite_B, length_B, first_new_B = _verify(
-      state, prop, probs_BKV, out.logits, live_B, k_verify, dcfg,
+      state, prop, probs_BKV, logits_BKV, live_B, k_verify, dcfg,
       target.config.vocab_size)
   # An accepted first new draft takes no bonus token (module doc).
   no_bonus_B = first_new_B & (res.num_accepted == length_B) & ~nonfinite_B
@@ -208,7 +275,7 @@ def step(params, state: engine.DecodeState, *, target: Target,
   inner = dcfg.drafter.commit(drafter_params, prop.state,
                               _speculative(state).context)
   state = state.replace(drafter_state=pend.replace(inner=inner))
-  cache = state.cache.write(out.new_kv, state.cache.new_slots(dcfg.k))
+  cache = state.cache.write(new_kv, state.cache.new_slots(dcfg.k))
   state = engine._tally(state, cache, live_B, jnp.any(live_B), length_B,
                         res.num_accepted, dcfg.k)
   return engine._laid_out(engine._update_stops(
@@ -226,6 +293,14 @@ def generate(params, prompt_BT: jax.Array, prompt_lengths_B: jax.Array,
   one while_loop (the arguments are ``engine.generate``'s). The returned
   state's ``drafter_state`` is the ``Pending`` with its step counts."""
   check_config(dcfg)
+  mesh = dcfg.mesh
+  if (mesh is not None and ROLE in mesh.axis_names
+      and mesh.shape[sharding.DATA] > 1 and not dcfg.sampling.greedy
+      and jnp.ndim(key) == 0):
+    raise ValueError("PEARL on device groups with rows split over data "
+                     "draws each row's drafts on its own device: give one "
+                     "key per row (key[B]) at T > 0, or the devices' rows "
+                     "draw alike")
   state = engine.prefill(params, prompt_BT, prompt_lengths_B, key,
                          max_new_tokens, target=target, dcfg=dcfg,
                          drafter_params=drafter_params,
