@@ -3,11 +3,6 @@ ragged batch, both of its modes run, and what it cannot run is refused. The
 chi-square against transformers' law and its mutation are
 ``test_exactness``'s (long stage)."""
 
-import json
-import os
-import subprocess
-import sys
-
 import jax
 import numpy as np
 import pytest
@@ -18,8 +13,8 @@ from specjax.drafters import DraftModelDrafter, LayerSkipDrafter, NGramDrafter
 from specjax.drafters.eagle import EagleDrafter
 from specjax.heads.base import HeadConfig
 from specjax.models.decoder import Decoder
+from tests.forced_devices import run_worker
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [[5, 17, 3, 9, 1, 30], [9, 1, 30, 22, 4, 8, 2, 11, 7], [33, 4]]
 NEW = 24
 
@@ -103,16 +98,8 @@ def test_greedy_output_is_ars_on_smollm2(smollm2):
 
 
 def worker(*args) -> dict:
-  """``tests/pearl_worker.py`` on 4 forced host devices (own process: the
-  device count is fixed when JAX starts)."""
-  env = dict(os.environ,
-             XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
-             + " --xla_force_host_platform_device_count=4")
-  proc = subprocess.run([sys.executable, "-m", "tests.pearl_worker",
-                         *map(str, args)], cwd=ROOT, env=env,
-                        capture_output=True, text=True, timeout=900)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+  """``tests/pearl_worker.py`` on 4 forced host devices."""
+  return run_worker("tests.pearl_worker", 4, *args)
 
 
 @pytest.mark.long

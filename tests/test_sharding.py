@@ -13,21 +13,14 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 
 from specjax.cli import main as cli
 from specjax.core import sharding
+from tests.forced_devices import run_worker
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _worker(*flags) -> dict:
-  """tests/sharding_worker.py on 8 forced host devices (own process: the
-  device count is fixed when JAX starts)."""
-  env = dict(os.environ,
-             XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
-             + " --xla_force_host_platform_device_count=8")
-  proc = subprocess.run([sys.executable, "-m", "tests.sharding_worker",
-                         *flags], cwd=ROOT, env=env, capture_output=True,
-                        text=True, timeout=900)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+  """tests/sharding_worker.py on 8 forced host devices."""
+  return run_worker("tests.sharding_worker", 8, *flags)
 
 
 def _check_runs(out: dict, expected_runs: int):
