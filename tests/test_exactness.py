@@ -20,8 +20,8 @@ dynamic) and a static tree (the head's 2x2). Long stage: AR (the reference
 agrees with specjax's sampler), the other drafters (draft model, layer-skip,
 CLaSp chain and tree, lookahead, a P-EAGLE block chain and tree, Medusa
 chain and tree, an MTP module's chain and dynamic tree, retrieval, the
-head's tree merged with the lookup trie) and the mutations the check must
-catch.
+head's tree merged with the lookup trie), PEARL with the draft model on one
+device and on two device groups, and the mutations the check must catch.
 
 The other sampling options the same way, the law from transformers'
 processors (repetition penalty, sequence bias, min-p) and the OpenAI
@@ -147,11 +147,10 @@ def generate(target, drafter=None, drafter_params=None, seed=0,
   L, V = len(PROMPT), cfg.vocab_size
   dcfg = engine.DecodeConfig(capacity=32, sampling=sampling, drafter=drafter,
                              num_draft=K if drafter else 0, **kw)
-  st = run(params, jnp.tile(jnp.asarray([PROMPT], jnp.int32),
-                                            (N, 1)),
-                           jnp.full((N,), L, jnp.int32), jax.random.key(seed),
-                           np.int32(NEW), target=Decoder(cfg), dcfg=dcfg,
-                           drafter_params=drafter_params, sampling=rows)
+  st = run(params, jnp.tile(jnp.asarray([PROMPT], jnp.int32), (N, 1)),
+           jnp.full((N,), L, jnp.int32), jax.random.key(seed),
+           np.int32(NEW), target=Decoder(cfg), dcfg=dcfg,
+           drafter_params=drafter_params, sampling=rows)
   if check_len:
     assert (np.asarray(st.num_tokens) == L + NEW).all()
   tokens = np.asarray(st.tokens[:, L:L + NEW])
@@ -363,13 +362,13 @@ def test_pearl_on_device_groups_samples_the_target_exactly(target, tmp_path):
   """Invariant: as above with the drafter and the target on disjoint
   device groups of one mesh (``pearl.make_mesh(data=2)`` over 4 forced
   host devices, one key per row), both modes counted."""
-  from tests.test_pearl import worker
+  from tests.forced_devices import run_worker
   make_tiny("llama_v16", tmp_path / "target", seed=0)
   make_tiny("llama_v16", tmp_path / "draft", seed=1)
   np.testing.assert_array_equal(load_hf(tmp_path / "target")[1].embed,
                                 target[1].embed)  # the fixture's model
-  out = worker("sample", tmp_path / "target", tmp_path / "draft",
-               tmp_path / "cells.npy")
+  out = run_worker("tests.pearl_worker", 4, "sample", tmp_path / "target",
+                   tmp_path / "draft", tmp_path / "cells.npy")
   stat, crit = chi_square(np.load(tmp_path / "cells.npy"), target[2])
   assert stat < crit, (stat, crit)
   assert out["pre_steps"] > 0 and out["post_steps"] > 0, out

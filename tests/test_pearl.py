@@ -6,6 +6,7 @@ chi-square against transformers' law and its mutation are
 import jax
 import numpy as np
 import pytest
+from jax.sharding import AbstractMesh
 
 from specjax import testing
 from specjax.core import bucketing, engine, pearl
@@ -97,18 +98,13 @@ def test_greedy_output_is_ars_on_smollm2(smollm2):
   assert int(np.asarray(st.accepted_at).sum()) > 0
 
 
-def worker(*args) -> dict:
-  """``tests/pearl_worker.py`` on 4 forced host devices."""
-  return run_worker("tests.pearl_worker", 4, *args)
-
-
 @pytest.mark.long
 def test_greedy_output_on_device_groups_is_ars():
   """Invariant: on a (role=2, data=2) mesh of forced host devices (the
   drafter on two devices, the target on the other two, each pair splitting
   a ragged batch of 4) PEARL emits AR's tokens at T = 0, as it does on one
   device, with drafts accepted and both modes run."""
-  out = worker("greedy")
+  out = run_worker("tests.pearl_worker", 4, "greedy")
   assert out["equal_one_device"] and out["equal_mesh"], out
   assert out["pre_steps"] > 0 and out["post_steps"] > 0, out
   assert out["accepted"] > 0, out
@@ -119,7 +115,6 @@ def test_a_shared_key_on_device_groups_is_refused(tiny):
   one key for the batch is refused (each device would draw its rows'
   drafts alike), naming the fix."""
   cfg, params = tiny
-  from jax.sharding import AbstractMesh
   mesh = AbstractMesh((2, 2, 1), (pearl.ROLE, "data", "model"))
   with pytest.raises(ValueError, match="give one key per row"):
     _decode(pearl.generate_jit, params, cfg, mesh=mesh,
