@@ -41,17 +41,19 @@ def greedy() -> dict:
   prompt_BT, lengths = bucketing.pad_prompts(PROMPTS)
   mesh = pearl.make_mesh(data=2)
 
-  def run(loop, **kw):
-    st = loop(params, prompt_BT, lengths, jax.random.key(0), np.int32(20),
-              target=Decoder(cfg), dcfg=engine.DecodeConfig(capacity=64, **kw),
-              drafter_params=draft if kw else None)
+  def run(**kw):
+    st = engine.generate_jit(
+        params, prompt_BT, lengths, jax.random.key(0), np.int32(20),
+        target=Decoder(cfg), dcfg=engine.DecodeConfig(capacity=64, **kw),
+        drafter_params=draft if kw else None)
     return [st.tokens[b, lengths[b]:st.num_tokens[b]].tolist()
             for b in range(len(PROMPTS))], st
 
-  pearl_kw = dict(drafter=DraftModelDrafter(Decoder(cfg)), num_draft=3)
-  ar, _ = run(engine.generate_jit)
-  one, _ = run(pearl.generate_jit, **pearl_kw)
-  grouped, st = run(pearl.generate_jit, mesh=mesh, **pearl_kw)
+  pearl_kw = dict(drafter=DraftModelDrafter(Decoder(cfg)), num_draft=3,
+                  pearl=True)
+  ar, _ = run()
+  one, _ = run(**pearl_kw)
+  grouped, st = run(mesh=mesh, **pearl_kw)
   pend = st.drafter_state
   return {"equal_one_device": one == ar, "equal_mesh": grouped == ar,
           "pre_steps": int(pend.pre_steps.sum()),
@@ -67,13 +69,14 @@ def sample(target_dir: str, draft_dir: str, out: str) -> dict:
   L, V = len(PROMPT), cfg.vocab_size
   dcfg = engine.DecodeConfig(capacity=32, sampling=SAMPLING,
                              drafter=DraftModelDrafter(Decoder(draft_cfg)),
-                             num_draft=K, mesh=pearl.make_mesh(data=2))
-  st = pearl.generate_jit(params, jnp.tile(jnp.asarray([PROMPT], jnp.int32),
-                                           (N, 1)),
-                          jnp.full((N,), L, jnp.int32),
-                          jax.random.split(jax.random.key(0), N),
-                          np.int32(NEW), target=Decoder(cfg), dcfg=dcfg,
-                          drafter_params=draft)
+                             num_draft=K, mesh=pearl.make_mesh(data=2),
+                             pearl=True)
+  st = engine.generate_jit(params, jnp.tile(jnp.asarray([PROMPT], jnp.int32),
+                                            (N, 1)),
+                           jnp.full((N,), L, jnp.int32),
+                           jax.random.split(jax.random.key(0), N),
+                           np.int32(NEW), target=Decoder(cfg), dcfg=dcfg,
+                           drafter_params=draft)
   assert (np.asarray(st.num_tokens) == L + NEW).all()
   tokens = np.asarray(st.tokens[:, L:L + NEW])
   np.save(out, np.ravel_multi_index(tokens.T, (V,) * NEW))

@@ -341,7 +341,7 @@ def test_pearl_samples_the_target_exactly(target, mutation, monkeypatch,
   drafter, dparams, kw = long_drafters(target,
                                        tmp_path_factory)["draft_model_chain"]
   if mutation is None:
-    st = _check(target, drafter, dparams, dict(kw, run=pearl.generate_jit))
+    st = _check(target, drafter, dparams, dict(kw, pearl=True))
     pend = st.drafter_state
     assert (np.asarray(pend.post_steps) > 0).mean() > 0.05
     assert (np.asarray(pend.pre_steps) > 0).all()
@@ -349,8 +349,7 @@ def test_pearl_samples_the_target_exactly(target, mutation, monkeypatch,
   _first_new_draft_tested_a_position_early(monkeypatch)
   jax.clear_caches()
   try:
-    cells, _ = generate(target, drafter, dparams, run=pearl.generate_jit,
-                        **kw)
+    cells, _ = generate(target, drafter, dparams, pearl=True, **kw)
   finally:
     jax.clear_caches()
   stat, crit = chi_square(cells, target[2])

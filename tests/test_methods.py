@@ -156,7 +156,7 @@ GRAMMAR = ["ar", "ngram", "ngram:k=5:nodes=8:width=2", "retrieval:k=3:nodes=6",
            "eagle3:shape=0,1,2,0.0", "medusa:shape=2x2x1",
            "lookahead:k=3:window=5:width=2", "lookahead:k=5:window=4:levels=2",
            "clasp:k=3:layers=18:refresh=2", "clasp:k=4:nodes=8:width=3",
-           "peagle:k=6:head=runs/pe/head.npz"]
+           "peagle:k=6:head=runs/pe/head.npz", "layerskip:k=3:pearl=1"]
 
 
 @pytest.mark.parametrize("text", GRAMMAR)
@@ -194,6 +194,7 @@ def test_the_grammar_covers_every_key():
      "medusa, mtp, ngram, ngram+retrieval, peagle; retrieval would"),
     ("ar:k=3", "k is for clasp, draft, eagle"),
     ("eagle3:shape=1000x1000", "nodes"),
+    ("eagle3:pearl=1", "pearl is for draft, layerskip, ngram; eagle3 would"),
 ])
 def test_a_bad_method_is_one_error_naming_the_knob(text, needle):
   """Invariant: each bad spec raises one MethodError that names the key

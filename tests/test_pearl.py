@@ -1,6 +1,7 @@
-"""PEARL (``core.pearl``): greedy output equals AR's token for token on a
-ragged batch, both of its modes run, and what it cannot run is refused. The
-chi-square against transformers' law and its mutation are
+"""PEARL (``core.pearl``, ``DecodeConfig(pearl=True)``): greedy output
+equals AR's token for token on a ragged batch, through the engine, the
+runner and the method grammar; both of its modes run; what it cannot run is
+refused. The chi-square against transformers' law and its mutation are
 ``test_exactness``'s (long stage)."""
 
 import jax
@@ -9,8 +10,9 @@ import pytest
 from jax.sharding import AbstractMesh
 
 from specjax import testing
-from specjax.core import bucketing, engine, pearl
-from specjax.drafters import DraftModelDrafter, LayerSkipDrafter, NGramDrafter
+from specjax.core import bucketing, engine, pearl, runner
+from specjax.drafters import (DraftModelDrafter, LayerSkipDrafter,
+                              NGramDrafter, methods)
 from specjax.drafters.eagle import EagleDrafter
 from specjax.heads.base import HeadConfig
 from specjax.models.decoder import Decoder
@@ -25,9 +27,9 @@ def tiny():
   return testing.tiny("llama_gqa_tied", seed=0)
 
 
-def _decode(run, params, cfg, **kw):
+def _decode(params, cfg, **kw):
   prompt_BT, lengths = bucketing.pad_prompts(PROMPTS)
-  st = run(params, prompt_BT, lengths, jax.random.key(0), np.int32(NEW),
+  st = engine.generate_jit(params, prompt_BT, lengths, jax.random.key(0), np.int32(NEW),
            target=Decoder(cfg),
            dcfg=engine.DecodeConfig(capacity=64, **kw),
            drafter_params=params if kw else None)
@@ -46,9 +48,8 @@ def test_greedy_output_is_ars_and_both_modes_run(tiny, name):
   drafter = {"self_draft": DraftModelDrafter(Decoder(cfg)),
              "layer_skip": LayerSkipDrafter.from_target(Decoder(cfg), 1),
              "ngram": NGramDrafter()}[name]
-  want, _ = _decode(engine.generate_jit, params, cfg)
-  got, st = _decode(pearl.generate_jit, params, cfg, drafter=drafter,
-                    num_draft=K)
+  want, _ = _decode(params, cfg)
+  got, st = _decode(params, cfg, drafter=drafter, num_draft=K, pearl=True)
   assert got == want
   pend = st.drafter_state
   assert int(pend.post_steps.sum()) > 0 and int(pend.pre_steps.sum()) > 0
@@ -69,33 +70,61 @@ def test_what_pearl_cannot_run_is_refused(tiny):
        "EagleDrafter reads the target's features"),
       ({}, "PEARL needs a drafter")):
     with pytest.raises(ValueError, match=words):
-      _decode(pearl.generate_jit, params, cfg, **kw)
+      _decode(params, cfg, pearl=True, **kw)
+  for text, words in (
+      ("eagle3:pearl=1", "pearl is for draft, layerskip, ngram; eagle3"),
+      ("ngram:nodes=4:pearl=1", "pearl drafts chains"),
+      ("ngram:pearl=2", "pearl must be 0 or 1, got 2")):
+    with pytest.raises(methods.MethodError, match=words):
+      methods.build(testing.tiny_model(), methods.MethodSpec.parse(text))
+
+
+def test_the_method_grammar_runs_pearl_through_the_runner():
+  """Invariant: ``layerskip:k=3:layers=1:pearl=1`` built by the method
+  grammar decodes AR's greedy tokens through ``generate_ids`` and
+  ``stream_ids`` (the same steps one at a time), the rows reporting steps
+  in both modes (a row's together its verify forwards), and no PEARL
+  counts for a plain method."""
+  model = testing.tiny_model()
+  kw = dict(max_new_tokens=NEW)
+  ar = runner.generate_ids(model, PROMPTS, **kw)
+  method = methods.build(model, methods.MethodSpec.parse(
+      "layerskip:k=3:layers=1:pearl=1"))
+  assert method.pearl
+  for res in (runner.generate_ids(model, PROMPTS, method=method, **kw),
+              runner.stream_ids(model, PROMPTS, lambda _: None,
+                                method=method, **kw)):
+    assert [r.output_ids for r in res.rows] == [r.output_ids for r in ar.rows]
+    assert sum(r.pre_verify_steps for r in res.rows) > 0
+    assert sum(r.post_verify_steps for r in res.rows) > 0
+    for r in res.rows:
+      assert r.pre_verify_steps + r.post_verify_steps == r.target_forwards
+  assert all(r.pre_verify_steps == r.post_verify_steps == 0
+             for r in ar.rows)
 
 
 @pytest.mark.long
-def test_greedy_output_is_ars_on_smollm2(smollm2):
+def test_greedy_output_is_ars_on_smollm2_and_bench_predicts_two_groups(
+    smollm2):
   """Invariant: on SmolLM2 (a ragged batch of 3 chat prompts, 32 new
-  tokens) PEARL with layer-skip (24 of 30 layers) as its drafter emits AR's
-  tokens, with drafts accepted and both modes run."""
-  from specjax.core import runner
+  tokens) ``bench`` running ``layerskip:k=3:layers=24:pearl=1`` finds AR's
+  tokens, drafts accepted, both modes counted (together the verify
+  forwards), a forward over K tokens, and a two-group prediction above the
+  one-device one (a step waits for the longer half, not both)."""
+  from specjax.core.sampling import SamplingParams
+  from specjax.measure import bench
   prompts = [smollm2.tokenizer.encode_chat(p) for p in (
       "Name three primary colors.", "What is 12 times 12? Answer briefly.",
       "Write a haiku about the sea.")]
-  ar = runner.generate_ids(smollm2, prompts, max_new_tokens=32)
-  prompt_BT, lengths = bucketing.pad_prompts(prompts)
-  dcfg = engine.DecodeConfig(
-      capacity=bucketing.capacity_for(prompt_BT.shape[1], 32, extra=8),
-      drafter=LayerSkipDrafter.from_target(smollm2.target, 24), num_draft=3,
-      eos_ids=smollm2.config.eos_ids)
-  st = pearl.generate_jit(smollm2.params, prompt_BT, lengths,
-                          jax.random.key(0), np.int32(32),
-                          target=smollm2.target, dcfg=dcfg,
-                          drafter_params=smollm2.params)
-  for b, row in enumerate(ar.rows):
-    assert st.tokens[b, lengths[b]:st.num_tokens[b]].tolist() == row.output_ids
-  pend = st.drafter_state
-  assert int(pend.post_steps.sum()) > 0 and int(pend.pre_steps.sum()) > 0
-  assert int(np.asarray(st.accepted_at).sum()) > 0
+  [res] = bench.run(smollm2, [methods.MethodSpec.parse(
+      "layerskip:k=3:layers=24:pearl=1")], prompts, max_new_tokens=32,
+      sampling=SamplingParams(), batch_size=3, progress=False)
+  assert res["greedy_identical"] is True, res
+  assert res["pre_verify_steps"] > 0 and res["post_verify_steps"] > 0
+  assert (res["pre_verify_steps"] + res["post_verify_steps"]
+          == res["target_forwards"])
+  assert res["acceptance_per_position"][0] > 0 and res["verify_width"] == 3
+  assert res["predicted_speedup_two_groups"] > res["predicted_speedup"]
 
 
 @pytest.mark.long
@@ -117,6 +146,5 @@ def test_a_shared_key_on_device_groups_is_refused(tiny):
   cfg, params = tiny
   mesh = AbstractMesh((2, 2, 1), (pearl.ROLE, "data", "model"))
   with pytest.raises(ValueError, match="give one key per row"):
-    _decode(pearl.generate_jit, params, cfg, mesh=mesh,
-            drafter=DraftModelDrafter(Decoder(cfg)), num_draft=2,
-            sampling=engine.SamplingParams(0.8))
+    _decode(params, cfg, mesh=mesh, drafter=DraftModelDrafter(Decoder(cfg)),
+            num_draft=2, sampling=engine.SamplingParams(0.8), pearl=True)

@@ -100,6 +100,11 @@ class DecodeConfig:
       context; applied to the target and to sampled drafts at every
       position, along each drafted prefix and tree path. A position where
       it allows nothing ends the row (``STOP_NONFINITE``).
+    pearl: draft while verifying (``core.pearl``): each step the drafter
+      drafts K tokens behind the drafts the target scores in the same step;
+      a chain drafter that reads only tokens. On a mesh with a ``role``
+      axis (``pearl.make_mesh``) the two halves run on disjoint device
+      groups at once.
   """
   capacity: int
   sampling: SamplingParams = SamplingParams()
@@ -111,6 +116,7 @@ class DecodeConfig:
   mesh: Optional[jax.sharding.Mesh] = None
   prefill_chunk: int = 512
   allowed_tokens: Optional[AllowedTokens] = None
+  pearl: bool = False
 
   def __post_init__(self):
     for name in ("capacity", "num_draft", "tree_nodes", "prefill_chunk"):
@@ -155,6 +161,11 @@ class DecodeConfig:
     if self.block > self.capacity:
       raise ValueError(f"a step scores {self.block} tokens per row, more "
                        f"than the capacity {self.capacity}")
+    if not isinstance(self.pearl, bool):
+      raise TypeError(f"pearl must be True or False, got {self.pearl!r}")
+    if self.pearl:
+      from specjax.core import pearl
+      pearl.check_config(self)
 
   @property
   def k(self) -> int:
@@ -169,7 +180,9 @@ class DecodeConfig:
   @property
   def width(self) -> int:
     """Tokens a verify forward scores per row: the block and a
-    ``RidingDrafter``'s riders."""
+    ``RidingDrafter``'s riders; PEARL's ``[newest, pending]``, K."""
+    if self.pearl:
+      return self.k
     if isinstance(self.drafter, RidingDrafter):
       return self.block + self.drafter.num_riders(self.k)
     return self.block
@@ -452,6 +465,9 @@ def prefill(params, prompt_BT: jax.Array,
   S = dcfg.capacity
   V = target.config.vocab_size
   dcfg.sampling.check_vocab(V)
+  if dcfg.pearl:
+    from specjax.core import pearl
+    pearl.check_key(dcfg, key)
   if Tp >= S:  # the first sampled token needs a slot after the prompt
     raise ValueError(f"prompt bucket {Tp} must be below cache capacity {S}")
   given = jnp.asarray(prompt_lengths_B, jnp.int32)
@@ -468,6 +484,8 @@ def prefill(params, prompt_BT: jax.Array,
     drafter_state = dcfg.drafter.init(drafter_params,
                                       Context(prompt_BT, lengths), S, dcfg.k,
                                       _features(out))
+  if dcfg.pearl:
+    drafter_state = pearl.nothing_pending(drafter_state, B, dcfg.k, V)
   zeros_B = jnp.zeros((B,), jnp.int32)
   per_row = lambda x: jnp.broadcast_to(jnp.asarray(x, jnp.int32), (B,))
   zeros_BS = jnp.zeros((B, S), jnp.float32)
@@ -786,7 +804,12 @@ def step(params, state: DecodeState, *,
   tokens, lengths and statistics do not move. The target's new cache
   entries are the accepted path's, written contiguously from the newest
   token's slot (a chain's path is its block's first positions).
+  With ``dcfg.pearl``, PEARL's step (``core.pearl.step``).
   """
+  if dcfg.pearl:
+    from specjax.core import pearl
+    return pearl.step(params, state, target=target, dcfg=dcfg,
+                      drafter_params=drafter_params)
   live_B = ~state.done
   key, k_draft, k_verify = split(state.key, 3)
   sampler = state.sampler(dcfg, target.config.vocab_size)

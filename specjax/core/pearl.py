@@ -18,6 +18,11 @@ scored by the target. A step, for every row at once:
   next step's block is the newest token alone, its one scored position
   testing the next first draft).
 
+``DecodeConfig(pearl=True)`` selects these steps: ``engine.generate``,
+``engine.stream`` and ``runner.generate_ids`` run them after the prefill
+(which leaves nothing pending, ``nothing_pending``); the method grammar's
+``pearl=1`` (``draft:k=4:pearl=1``) sets it.
+
 The two halves read nothing of each other's output: on a mesh from
 ``make_mesh`` (``DecodeConfig.mesh``) they run at once, the drafter on the
 devices of role 0 and the target on those of role 1 (``_on_groups``); on
@@ -48,7 +53,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from specjax.core import engine, sharding
 from specjax.core.rows import set_at_rows
-from specjax.core.sampling import RowSampling, split
+from specjax.core.sampling import split
 from specjax.drafters.base import RidingDrafter
 from specjax.models.target import Target
 
@@ -92,7 +97,8 @@ class Pending:
 
 
 def check_config(dcfg: engine.DecodeConfig) -> None:
-  """Refuses what PEARL cannot run, with one line naming it."""
+  """Refuses what PEARL cannot run, with one line naming it
+  (``DecodeConfig`` asks when ``pearl`` is set)."""
   drafter = dcfg.drafter
   if drafter is None:
     raise ValueError("PEARL needs a drafter (a draft model, layer-skip, "
@@ -105,6 +111,28 @@ def check_config(dcfg: engine.DecodeConfig) -> None:
     raise ValueError(f"PEARL drafts behind tokens the target has not "
                      f"scored: {type(drafter).__name__} reads the target's "
                      "features or cache")
+
+
+def check_key(dcfg: engine.DecodeConfig, key: jax.Array) -> None:
+  """Refuses one key for the batch where each device group's rows draw
+  their drafts apart: rows split over ``data`` at T > 0."""
+  mesh = dcfg.mesh
+  if (mesh is not None and ROLE in mesh.axis_names
+      and mesh.shape[sharding.DATA] > 1 and not dcfg.sampling.greedy
+      and jnp.ndim(key) == 0):
+    raise ValueError("PEARL on device groups with rows split over data "
+                     "draws each row's drafts on its own device: give one "
+                     "key per row (key[B]) at T > 0, or the devices' rows "
+                     "draw alike")
+
+
+def nothing_pending(inner: Any, B: int, K: int, V: int) -> Pending:
+  """The drafter state after the prefill: the inner drafter's, nothing
+  pending, no steps counted."""
+  zeros_B = jnp.zeros((B,), jnp.int32)
+  return Pending(inner=inner, tokens=jnp.zeros((B, K), jnp.int32),
+                 probs=jnp.zeros((B, K, V), jnp.float32), num=zeros_B,
+                 pre_steps=zeros_B, post_steps=zeros_B)
 
 
 def _speculative(state: engine.DecodeState) -> engine.DecodeState:
@@ -281,41 +309,3 @@ def step(params, state: engine.DecodeState, *, target: Target,
   return engine._laid_out(engine._update_stops(
       state, hit_eos_B, dcfg, nonfinite_B, hit_stop_B=hit_stop_B),
       target, dcfg)
-
-
-def generate(params, prompt_BT: jax.Array, prompt_lengths_B: jax.Array,
-             key: jax.Array, max_new_tokens: jax.Array | int, *,
-             target: Target, dcfg: engine.DecodeConfig,
-             drafter_params: Any = None,
-             min_new_tokens: jax.Array | int = 0,
-             sampling: Optional[RowSampling] = None) -> engine.DecodeState:
-  """``engine.prefill``, then PEARL steps until every row has stopped, in
-  one while_loop (the arguments are ``engine.generate``'s). The returned
-  state's ``drafter_state`` is the ``Pending`` with its step counts."""
-  check_config(dcfg)
-  mesh = dcfg.mesh
-  if (mesh is not None and ROLE in mesh.axis_names
-      and mesh.shape[sharding.DATA] > 1 and not dcfg.sampling.greedy
-      and jnp.ndim(key) == 0):
-    raise ValueError("PEARL on device groups with rows split over data "
-                     "draws each row's drafts on its own device: give one "
-                     "key per row (key[B]) at T > 0, or the devices' rows "
-                     "draw alike")
-  state = engine.prefill(params, prompt_BT, prompt_lengths_B, key,
-                         max_new_tokens, target=target, dcfg=dcfg,
-                         drafter_params=drafter_params,
-                         min_new_tokens=min_new_tokens, sampling=sampling)
-  B, K, V = prompt_BT.shape[0], dcfg.k, target.config.vocab_size
-  zeros_B = jnp.zeros((B,), jnp.int32)
-  state = state.replace(drafter_state=Pending(
-      inner=state.drafter_state, tokens=jnp.zeros((B, K), jnp.int32),
-      probs=jnp.zeros((B, K, V), jnp.float32), num=zeros_B,
-      pre_steps=zeros_B, post_steps=zeros_B))
-  return jax.lax.while_loop(
-      lambda s: jnp.any(~s.done),
-      lambda s: step(params, s, target=target, dcfg=dcfg,
-                     drafter_params=drafter_params),
-      state)
-
-
-generate_jit = jax.jit(generate, static_argnames=("target", "dcfg"))

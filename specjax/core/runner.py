@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.core import bucketing, engine, sharding
+from specjax.core import bucketing, engine, pearl, sharding
 from specjax.core.sampling import (AllowedTokens, RowSampling, SamplingParams,
                                    require_int, seed_key)
 from specjax.drafters.base import AR, Method
@@ -33,7 +33,9 @@ class RowResult:
   how often tree node m + 1 was (empty for chains). ``logprobs[j]`` is
   ``output_ids[j]``'s log-probability under the distribution it was
   sampled from, ``raw_logprobs[j]`` under the target's own (T = 1)
-  (``DecodeState.logprobs``).
+  (``DecodeState.logprobs``). ``pre_verify_steps`` and
+  ``post_verify_steps`` count a PEARL row's steps with no drafts pending
+  and with some (``pearl.Pending``; 0 for other methods).
   """
   prompt_ids: list[int]
   output_ids: list[int]
@@ -46,6 +48,8 @@ class RowResult:
   num_drafted: int = 0
   accepted_at: list[int] = dataclasses.field(default_factory=list)
   accepted_nodes: list[int] = dataclasses.field(default_factory=list)
+  pre_verify_steps: int = 0
+  post_verify_steps: int = 0
 
   @property
   def tau(self) -> float:
@@ -109,7 +113,8 @@ def decode_config(model: Model, prompt_bucket: int, max_new_tokens: int,
       capacity=bucketing.capacity_for(prompt_bucket, max_new_tokens,
                                       extra=engine.block_width(k, nodes)),
       sampling=sampling, eos_ids=model.config.eos_ids,
-      drafter=method.drafter, num_draft=k, tree_nodes=nodes, mesh=model.mesh)
+      drafter=method.drafter, num_draft=k, tree_nodes=nodes, mesh=model.mesh,
+      pearl=method.pearl)
 
 
 class DoesNotFit(ValueError):
@@ -387,13 +392,18 @@ def _rows(state: engine.DecodeState, rows, lengths_B):
                         state.accepted_nodes)))
   lengths_B = np.asarray(sharding.to_host(lengths_B))
   new = lambda a, b: a[b, lengths_B[b]:num[b]].tolist()
+  pend = state.drafter_state
+  pre, post = (sharding.to_host((pend.pre_steps, pend.post_steps))
+               if isinstance(pend, pearl.Pending) else (num * 0, num * 0))
   rows = [RowResult(prompt_ids=list(map(int, p)), output_ids=new(tokens, b),
                     stop_reason=engine.STOP_NAMES[int(reasons[b])],
                     prompt_index=i, sample_index=s,
                     logprobs=new(lp, b), raw_logprobs=new(raw, b),
                     target_forwards=int(fwd[b]), num_drafted=int(drafted[b]),
                     accepted_at=acc[b].tolist(),
-                    accepted_nodes=nodes[b].tolist())
+                    accepted_nodes=nodes[b].tolist(),
+                    pre_verify_steps=int(pre[b]),
+                    post_verify_steps=int(post[b]))
           for b, (p, i, s) in enumerate(rows)]
   return rows, int(steps), int(wide)
 

@@ -158,18 +158,20 @@ class Method:
     params: the drafter's parameters (a pytree), if it has any.
     num_draft: K, the most drafts per step (0 for AR).
     tree_nodes: 0 for chains; else the drafted nodes of each step's tree.
+    pearl: draft while verifying (``DecodeConfig.pearl``).
   """
   drafter: Optional[Drafter] = None
   params: Any = None
   num_draft: int = 0
   tree_nodes: int = 0
+  pearl: bool = False
 
   def __post_init__(self):
     if self.drafter is None and (self.num_draft or self.tree_nodes
-                                 or self.params is not None):
+                                 or self.params is not None or self.pearl):
       raise ValueError(f"num_draft {self.num_draft}, tree_nodes "
-                       f"{self.tree_nodes} and params need a drafter; "
-                       "without one the method is AR")
+                       f"{self.tree_nodes}, params and pearl need a "
+                       "drafter; without one the method is AR")
 
 
 AR = Method()

@@ -39,7 +39,7 @@ KNOBS = {"k": "num_draft", "nodes": "tree_nodes", "width": "tree_width",
          "shape": "tree_shape", "lookup": "lookup_nodes", "layers": "layers",
          "conf": "min_confidence", "draft": "draft_model", "head": "head",
          "conversations": "datastore_conversations", "window": "window",
-         "levels": "levels", "refresh": "refresh"}
+         "levels": "levels", "refresh": "refresh", "pearl": "pearl"}
 
 
 def parse_knobs(text: str) -> tuple[str, dict]:
@@ -124,6 +124,8 @@ class MethodSpec:
       n-grams are L + 1 tokens (0: ``num_draft``). Fewer levels than the
       trie's depth keep the verify narrow while the context's matches
       still draft ``num_draft`` deep.
+    pearl: 1: draft while verifying (PEARL, ``core.pearl``): chains of
+      "draft", "layerskip" and "ngram", which read only tokens.
     lookup_nodes: EAGLE and Medusa trees: this many of the ``tree_nodes``
       come from the n-gram-then-retrieval trie ("ngram+retrieval"), merged
       with the head's tree (``drafters.union``); with a ``tree_shape`` they
@@ -144,6 +146,7 @@ class MethodSpec:
   window: int = 4
   levels: int = 0
   refresh: int = 1
+  pearl: int = 0
 
   def __post_init__(self):
     from specjax.core.sampling import require_int
@@ -151,7 +154,7 @@ class MethodSpec:
       raise MethodError(f"unknown method {self.name!r} (choose from "
                         f"{', '.join(METHODS)})")
     for field in ("num_draft", "tree_nodes", "tree_width", "lookup_nodes",
-                  "window", "levels", "refresh"):
+                  "window", "levels", "refresh", "pearl"):
       require_int(field, getattr(self, field))
     if not isinstance(self.min_confidence, (int, float)) or isinstance(
         self.min_confidence, bool):
@@ -166,6 +169,7 @@ class MethodSpec:
         ("levels", 0 <= self.levels <= max(self.num_draft, 1),
          f"in [0, num_draft={self.num_draft}]"),
         ("refresh", self.refresh >= 1, ">= 1"),
+        ("pearl", self.pearl in (0, 1), "0 or 1"),
         ("min_confidence", 0 <= self.min_confidence < 1, "in [0, 1)")):
       if not ok:  # NaN fails its rule
         raise MethodError(f"{field} must be {rule}, got "
@@ -222,7 +226,8 @@ class MethodSpec:
     tree = (f", tree {self.tree_shape}" if self.tree_shape else
             f", tree {self.tree_nodes}" if self.tree_nodes else "")
     lookup = f", lookup {self.lookup_nodes}" if self.lookup_nodes else ""
-    return f"{self.name}(K={self.k}{tree}{lookup})"
+    pearl = ", PEARL" if self.pearl else ""
+    return f"{self.name}(K={self.k}{tree}{lookup}{pearl})"
 
 
 def default_layers(model: Model) -> int:
@@ -240,7 +245,8 @@ def build(model: Model, spec: MethodSpec) -> Method:
   from specjax.drafters.base import AR, Method
   if drafter is None:
     return AR
-  return Method(drafter, params, spec.k, spec.tree_nodes)
+  return Method(drafter, params, spec.k, spec.tree_nodes,
+                pearl=bool(spec.pearl))
 
 
 # Each method's own config: the ``MethodSpec`` fields it reads (``READS``:
@@ -277,6 +283,9 @@ class _Own:
       raise MethodError(
           f"min_confidence (dynamic K) is for chains of "
           f"{', '.join(DYNAMIC_K)}; {self.spec.label()} would ignore it")
+    if self.spec.pearl and self.spec.tree_nodes:
+      raise MethodError(f"pearl drafts chains; {self.spec.label()} is a "
+                        "tree")
     if self.spec.tree_width != _DEFAULT_WIDTH and not self.widens():
       raise MethodError(
           f"tree_width is for dynamic trees and a head's lookup trie "
@@ -303,7 +312,7 @@ class _AR(_Own):
 
 
 class _NGram(_Own):
-  READS = frozenset({"num_draft", "tree_nodes", "tree_width"})
+  READS = frozenset({"num_draft", "tree_nodes", "tree_width", "pearl"})
 
   def widens(self):
     return bool(self.tree_nodes)
@@ -352,14 +361,14 @@ class _Lookahead(_Own):
 
 
 class _DraftModel(_Own):
-  READS = frozenset({"num_draft", "min_confidence", "draft_model"})
+  READS = frozenset({"num_draft", "min_confidence", "draft_model", "pearl"})
 
   def build(self, model):
     return _draft_model(model, self.draft_model, self.min_confidence)
 
 
 class _LayerSkip(_Own):
-  READS = frozenset({"num_draft", "min_confidence", "layers"})
+  READS = frozenset({"num_draft", "min_confidence", "layers", "pearl"})
 
   def build(self, model):
     from specjax.drafters import LayerSkipDrafter

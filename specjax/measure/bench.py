@@ -22,6 +22,11 @@ Definitions (aggregated over all rows):
     newest token and the drafts or tree nodes) and a lookahead window.
   ttft_ms: time to the first token of the first batch (its prefill and first
     sample, at its prompt bucket); tokens_per_s counts the prefill in.
+  pre_verify_steps, post_verify_steps (PEARL): steps with no drafts
+    pending and with some; predicted_speedup_two_groups: the speedup the
+    theory predicts with the draft and the target's forward on disjoint
+    device groups, at once (a step waits for the longer of the two
+    measured costs), where one device runs them one after the other.
   time_split: the method's wall time attributed to drafting, verifying and
     the rest (sampling, bookkeeping, loop), from per-component timings of
     the jitted propose and verify forward at the run's own shapes.
@@ -62,18 +67,23 @@ class Costs:
   draft: float      # one drafter.propose of K drafts
   prefill: float = 0.0  # the batch's prefill and first sample: its TTFT
 
-  def step_s(self, wide_fraction: float = 1.0) -> float:
+  def step_s(self, wide_fraction: float = 1.0, overlap: bool = False
+             ) -> float:
     """Forward + draft seconds of a speculative step when ``wide_fraction``
-    of the steps verify K + 1 tokens and the rest score one (nothing drafted)."""
-    return self.draft + (wide_fraction * self.verify
-                         + (1 - wide_fraction) * self.target_1)
+    of the steps verify K + 1 tokens and the rest score one (nothing
+    drafted); with ``overlap`` (PEARL on two device groups) the draft and
+    the forward run at once, so the step waits for the longer."""
+    forward = (wide_fraction * self.verify
+               + (1 - wide_fraction) * self.target_1)
+    return max(self.draft, forward) if overlap else self.draft + forward
 
   def predicted_speedup(self, tau: float, ar_step_s: float,
-                        wide_fraction: float = 1.0) -> float:
+                        wide_fraction: float = 1.0,
+                        overlap: bool = False) -> float:
     """Theory: AR time per token / speculative time per token, where a
     speculative step costs ``step_s`` + the AR step's non-forward rest."""
     rest = max(ar_step_s - self.target_1, 0.0)
-    return tau * ar_step_s / (self.step_s(wide_fraction) + rest)
+    return tau * ar_step_s / (self.step_s(wide_fraction, overlap) + rest)
 
 
 def median_time(fn: Callable[[], object], repeats: int = 5) -> float:
@@ -123,12 +133,13 @@ def measure_costs(model: Model, prompts: Sequence[Sequence[int]],
         else (lambda p, s, c, k, sp: d.propose(p, s, c, k, K, sp)))
     ctx = engine.drafter_context(state, d)
     sampler = state.sampler(dcfg, model.config.vocab_size)
+    start = state.drafter_state.inner if dcfg.pearl else state.drafter_state
 
     def proposals():
       """DRAFT_RUN proposals, each on the drafter state the last returned
       (a drafter whose cost varies from step to step, as CLaSp choosing its
       layers every ``refresh`` steps, is timed over its cycle)."""
-      drafter_state = state.drafter_state
+      drafter_state = start
       for _ in range(DRAFT_RUN):
         out = propose(drafter_params, drafter_state, ctx, jax.random.key(1),
                       sampler)
@@ -321,6 +332,11 @@ def run(model: Model, methods_: Sequence[methods.MethodSpec | tuple],
                                 a.new_tokens
                                 for a, t in zip(ar_tallies, runs))
     predicted = costs.predicted_speedup(acc["tau"], ar_step_s, wide_fraction)
+    pearl = {} if not spec.pearl else dict(
+        pre_verify_steps=sum(r.pre_verify_steps for r in runs[0].rows),
+        post_verify_steps=sum(r.post_verify_steps for r in runs[0].rows),
+        predicted_speedup_two_groups=round(costs.predicted_speedup(
+            acc["tau"], ar_step_s, wide_fraction, overlap=True), 4))
     identical = [a == b for a, b in zip(ar_tallies[0].outputs, runs[0].outputs)]
     result = dict(
         method=spec.name, dataset=dataset, model=model.config.name,
@@ -335,7 +351,7 @@ def run(model: Model, methods_: Sequence[methods.MethodSpec | tuple],
                                              for t in runs), 3),
         ar_tokens_per_s=round(ar_tok_s, 3), speedup=round(speedup, 4),
         predicted_speedup=round(predicted, 4),
-        speedup_vs_predicted=round(speedup / predicted, 4),
+        speedup_vs_predicted=round(speedup / predicted, 4), **pearl,
         greedy_identical=(all(identical) if sampling.greedy else None),
         rows_differing_from_ar=(identical.count(False) if sampling.greedy
                                 else None),
