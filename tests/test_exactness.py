@@ -209,6 +209,7 @@ def fast_drafters(target):
       "peagle_block_chain": (EagleDrafter(pcfg), peagle, {}),
       "peagle_block_tree": (EagleDrafter(pcfg, tree_width=2), peagle,
                             dict(tree_nodes=4)),
+      "peagle_pearl": (EagleDrafter(pcfg), peagle, dict(pearl=True)),
       "lookahead_trie": (LookaheadDrafter(window=3, width=2), None,
                          dict(tree_nodes=4)),
       "eagle3_chain_small_vocab": (EagleDrafter(hcfg), eagle, {}),
@@ -288,7 +289,8 @@ def test_plain_sampling_is_the_reference(target):
     # verify_tree as the dynamic tree; its own case is in the long stage.
     pytest.param("eagle_static_tree_2x2", marks=pytest.mark.long),
     pytest.param("peagle_block_chain", marks=pytest.mark.long),
-    pytest.param("peagle_block_tree", marks=pytest.mark.long)])
+    pytest.param("peagle_block_tree", marks=pytest.mark.long),
+    pytest.param("peagle_pearl", marks=pytest.mark.long)])
 def test_fast_drafters_sample_the_target_exactly(target, name):
   """Invariant: each drafter's first four generated tokens follow
   transformers' warped joint law (module doc)."""

@@ -194,7 +194,8 @@ def test_the_grammar_covers_every_key():
      "medusa, mtp, ngram, ngram+retrieval, peagle; retrieval would"),
     ("ar:k=3", "k is for clasp, draft, eagle"),
     ("eagle3:shape=1000x1000", "nodes"),
-    ("eagle3:pearl=1", "pearl is for draft, layerskip, ngram; eagle3 would"),
+    ("eagle3:pearl=1",
+     "pearl is for draft, layerskip, ngram, peagle; eagle3 would"),
 ])
 def test_a_bad_method_is_one_error_naming_the_knob(text, needle):
   """Invariant: each bad spec raises one MethodError that names the key

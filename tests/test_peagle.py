@@ -13,6 +13,7 @@ import pytest
 
 from specjax import testing
 from specjax.core import runner
+from specjax.core.sampling import Sampler, SamplingParams
 from specjax.drafters import Method
 from specjax.drafters.base import Context
 from specjax.drafters.eagle import EagleDrafter, EagleParams
@@ -89,9 +90,53 @@ def test_greedy_identity_on_a_ragged_batch():
   _greedy_identity(cfg, params, Method(EagleDrafter(hcfg), dparams, 4, 0))
 
 
+def test_pearl_drafts_behind_pending_drafts_greedy_identically():
+  """Invariant: with PEARL (``Method(pearl=True)``) a P-EAGLE head drafts
+  behind the pending drafts (``propose_behind``) and emits AR's tokens at
+  T = 0 on a ragged batch, with steps in both modes."""
+  cfg, params, hcfg, dparams = _peagle(seed=1)
+  spec = _greedy_identity(cfg, params, Method(EagleDrafter(hcfg), dparams, 3,
+                                              0, pearl=True))
+  assert sum(r.post_verify_steps for r in spec.rows) > 0
+  assert sum(r.pre_verify_steps for r in spec.rows) > 0
+
+
+def test_drafting_behind_nothing_is_the_plain_block():
+  """Invariant: ``propose_behind`` with nothing behind draws the plain
+  block's K drafts from the same K distributions (its longer block of
+  2K - 1 slots is causal: later slots change nothing before them), and
+  behind P it draws from slots P.., which differ; an EAGLE-3 head, whose
+  drafts read the draft before, is refused."""
+  cfg, params, hcfg, dparams = _peagle(seed=2)
+  K, P = 3, 7
+  drafter = EagleDrafter(hcfg)
+  rng = np.random.default_rng(1)
+  tokens = jnp.asarray(rng.integers(0, 37, (2, P + 1)), jnp.int32)
+  feats = jnp.asarray(rng.normal(size=(2, P, 3 * cfg.dim)), jnp.float32)
+  prompt = Context(tokens=tokens[:, :P], num_tokens=jnp.full((2,), P,
+                                                               jnp.int32))
+  state = drafter.init(dparams, prompt, S, K, feats)
+  ctx = Context(tokens=tokens, num_tokens=jnp.full((2,), P + 1, jnp.int32))
+  sampler = Sampler(SamplingParams(temperature=1.0))
+  key = jax.random.key(0)
+  plain = drafter.propose(dparams, state, ctx, key, K, sampler)
+  behind = lambda b: drafter.propose_behind(
+      dparams, state, ctx, jnp.asarray(b, jnp.int32), key, K, sampler)
+  none, some = behind([0, 0]), behind([0, 2])
+  np.testing.assert_allclose(none.probs, plain.probs, atol=1e-6)
+  np.testing.assert_array_equal(none.tokens, plain.tokens)
+  np.testing.assert_allclose(some.probs[0], plain.probs[0], atol=1e-6)
+  assert not np.allclose(some.probs[1], plain.probs[1], atol=1e-3)
+  e3cfg = HeadConfig.for_target(cfg, 37, taps=(0, 1, 2))
+  with pytest.raises(ValueError, match="only a P-EAGLE block drafts"):
+    EagleDrafter(e3cfg).propose_behind(dparams, state, ctx,
+                                       jnp.zeros((2,), jnp.int32), key, K,
+                                       sampler)
+
+
 def _greedy_identity(cfg, params, method):
   """Asserts ``method`` emits AR's tokens at T = 0 on a ragged batch of the
-  tiny target, with drafts accepted."""
+  tiny target, with drafts accepted; returns its result."""
   from specjax.models.registry import Model
   model = Model(target=Decoder(cfg), params=params, tokenizer=None)
   prompts = [[5, 6, 7, 8, 5, 6, 7], [9, 1, 9], [3, 4, 3, 4, 3, 4, 3, 4]]
@@ -100,6 +145,7 @@ def _greedy_identity(cfg, params, method):
   ar, spec = run(), run(method=method)
   assert [r.output_ids for r in spec.rows] == [r.output_ids for r in ar.rows]
   assert sum(sum(r.accepted_at) for r in spec.rows) > 0
+  return spec
 
 
 def test_a_block_tree_is_the_best_paths_of_the_marginals():

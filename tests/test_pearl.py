@@ -72,7 +72,7 @@ def test_what_pearl_cannot_run_is_refused(tiny):
     with pytest.raises(ValueError, match=words):
       _decode(params, cfg, pearl=True, **kw)
   for text, words in (
-      ("eagle3:pearl=1", "pearl is for draft, layerskip, ngram; eagle3"),
+      ("eagle3:pearl=1", "pearl is for draft, layerskip, ngram, peagle; eagle3"),
       ("ngram:nodes=4:pearl=1", "pearl drafts chains"),
       ("ngram:pearl=2", "pearl must be 0 or 1, got 2")):
     with pytest.raises(methods.MethodError, match=words):

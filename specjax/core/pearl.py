@@ -36,8 +36,13 @@ chain and never a bonus token after an accepted first draft: its position
 is the next pending draft's.
 
 Drafters: chain drafters that need nothing of the target's but the
-committed tokens (a draft model, layer-skip, n-gram); a drafter reading the
-target's features or cache cannot draft behind tokens the target has not
+committed tokens (a draft model, layer-skip, n-gram), and a P-EAGLE head,
+which reads the target's features but drafts each block slot from a
+placeholder: it drafts behind the pending drafts from the committed
+tokens' features without reading the pending ones (``propose_behind``:
+row b's K drafts from the slots after its P pending ones). A drafter that
+reads its own previous draft with its features (EAGLE's chains) or the
+target's cache (CLaSp) cannot draft behind tokens the target has not
 scored.
 """
 
@@ -106,11 +111,19 @@ def check_config(dcfg: engine.DecodeConfig) -> None:
   if dcfg.tree_nodes:
     raise ValueError(f"PEARL drafts chains; tree_nodes={dcfg.tree_nodes} "
                      "is not supported")
-  if (tuple(drafter.feature_taps) or isinstance(drafter, RidingDrafter)
+  if ((_reads_features(drafter)
+       and not getattr(drafter, "drafts_behind", False))
+      or isinstance(drafter, RidingDrafter)
       or getattr(drafter, "reads_target_cache", False)):
     raise ValueError(f"PEARL drafts behind tokens the target has not "
                      f"scored: {type(drafter).__name__} reads the target's "
                      "features or cache")
+
+
+def _reads_features(drafter) -> bool:
+  """Whether the drafter reads the target's features (a P-EAGLE head,
+  drafting behind the pending drafts with ``propose_behind``)."""
+  return bool(tuple(drafter.feature_taps))
 
 
 def check_key(dcfg: engine.DecodeConfig, key: jax.Array) -> None:
@@ -179,23 +192,34 @@ def _next_pending(pend: Pending, drafts_BK, probs_BKV, num_drafted_B,
 def _draft(state: engine.DecodeState, key, *, dcfg: engine.DecodeConfig,
            vocab_size: int, drafter_params):
   """The drafter's half: K drafts behind the pending ones, ``(proposal, its
-  distributions)`` (one-hot for a deterministic drafter)."""
+  distributions)`` (one-hot for a deterministic drafter). A drafter that
+  reads only tokens drafts after them; one that reads the target's
+  features, which the pending drafts do not have yet, drafts behind them
+  without reading them (``propose_behind``)."""
+  pend, drafter = state.drafter_state, dcfg.drafter
   ahead = _speculative(state)
-  prop = dcfg.drafter.propose(drafter_params, state.drafter_state.inner,
-                              ahead.context, key, dcfg.k,
-                              ahead.sampler(dcfg, vocab_size))
+  sampler = ahead.sampler(dcfg, vocab_size)
+  if _reads_features(drafter):
+    prop = drafter.propose_behind(drafter_params, pend.inner, state.context,
+                                  pend.num, key, dcfg.k, sampler)
+  else:
+    prop = drafter.propose(drafter_params, pend.inner, ahead.context, key,
+                           dcfg.k, sampler)
   probs_BKV = (jax.nn.one_hot(prop.tokens, vocab_size, dtype=jnp.float32)
                if prop.probs is None else prop.probs)
   return prop, probs_BKV
 
 
-def _score(params, state: engine.DecodeState, *, target: Target, K: int):
+def _score(params, state: engine.DecodeState, *, target: Target, K: int,
+           taps: tuple[int, ...]):
   """The target's half: its forward over ``[newest, pending]``, ``(logits
-  [B, K, V], new cache entries)``."""
+  [B, K, V], new cache entries, the ``taps``' features [B, K, F] or
+  None)``."""
   block_BK = jnp.concatenate([state.context.newest()[:, None],
                               state.drafter_state.tokens[:, :K - 1]], axis=1)
-  out = engine._verify_forward(params, target, block_BK, state.cache, (), K)
-  return out.logits, out.new_kv
+  out = engine._verify_forward(params, target, block_BK, state.cache, taps,
+                               K)
+  return out.logits, out.new_kv, engine._features(out)
 
 
 def _draft_and_score(params, state: engine.DecodeState, key, *,
@@ -209,7 +233,8 @@ def _draft_and_score(params, state: engine.DecodeState, key, *,
       state, key, dcfg=dcfg, vocab_size=target.config.vocab_size,
       drafter_params=dparams)
   score = lambda params, state: _score(params, state, target=target,
-                                       K=dcfg.k)
+                                       K=dcfg.k,
+                                       taps=engine._feature_taps(dcfg))
   mesh = dcfg.mesh
   if mesh is None or ROLE not in mesh.axis_names:
     return draft(state, key, drafter_params), score(params, state)
@@ -276,6 +301,19 @@ def _verify(state: engine.DecodeState, prop, probs_BKV, logits_BKV,
   return res, logprobs, nonfinite_B, length_B, first_new_B
 
 
+def _commit(drafter, drafter_params, inner, state: engine.DecodeState,
+            features):
+  """The drafter's state after the step: a drafter of tokens commits the
+  new pending drafts too (it drafts behind them next); one of features
+  commits the committed tokens and the block's features (K, padded to
+  the K + 1 of an engine step's block), of which it reads those before
+  each committed token."""
+  if features is None:
+    return drafter.commit(drafter_params, inner, _speculative(state).context)
+  return drafter.commit(drafter_params, inner, state.context,
+                        jnp.pad(features, ((0, 0), (0, 1), (0, 0))))
+
+
 def step(params, state: engine.DecodeState, *, target: Target,
          dcfg: engine.DecodeConfig,
          drafter_params: Any = None) -> engine.DecodeState:
@@ -283,7 +321,7 @@ def step(params, state: engine.DecodeState, *, target: Target,
   score ``[newest, pending]``, verify the chain, emit, commit, tally."""
   live_B = ~state.done
   key, k_draft, k_verify = split(state.key, 3)
-  (prop, probs_BKV), (logits_BKV, new_kv) = _draft_and_score(
+  (prop, probs_BKV), (logits_BKV, new_kv, features) = _draft_and_score(
       params, state, k_draft, target=target, dcfg=dcfg,
       drafter_params=drafter_params)
   res, logprobs, nonfinite_B, length_B, first_new_B = _verify(
@@ -300,8 +338,7 @@ def step(params, state: engine.DecodeState, *, target: Target,
                        live_B)
   state = state.replace(num_tokens=state.num_tokens + n_B, key=key,
                         drafter_state=pend)
-  inner = dcfg.drafter.commit(drafter_params, prop.state,
-                              _speculative(state).context)
+  inner = _commit(dcfg.drafter, drafter_params, prop.state, state, features)
   state = state.replace(drafter_state=pend.replace(inner=inner))
   cache = state.cache.write(new_kv, state.cache.new_slots(dcfg.k))
   state = engine._tally(state, cache, live_B, jnp.any(live_B), length_B,

@@ -102,7 +102,12 @@ class Drafter(Protocol):
 
   Optional: ``reads_target_cache`` (default False): ``propose`` then gets
   the target's cache in ``ctx.cache`` (CLaSp drafts with the target
-  itself over it).
+  itself over it). ``drafts_behind`` (default False): a drafter that reads
+  features and still drafts behind tokens the target has not scored
+  (PEARL's pending drafts, ``core.pearl``), through
+  ``propose_behind(params, state, ctx, behind_B, key, num_draft,
+  sampling)``: ``propose``'s drafts for the positions after ``ctx``'s
+  committed tokens and ``behind_B`` more, whatever those are.
   """
   feature_taps: tuple[int, ...]
   needs_params: bool

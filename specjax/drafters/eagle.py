@@ -182,8 +182,10 @@ class EagleDrafter:
     V = params.embed.shape[0]
     state, stable_B, a_BD = self._start(params, state, ctx, num_draft)
     if self.cfg.variant == "peagle":
-      return self._propose_block(params, state, stable_B, a_BD, key,
-                                 num_draft, sampling)
+      return self._propose_block(
+          params, state, stable_B,
+          self.block_outputs(params, state, stable_B, a_BD, num_draft), key,
+          num_draft, sampling)
 
     def logits(a_BD):
       """Head output -> logits over the full vocabulary (-inf off Vd)."""
@@ -216,13 +218,41 @@ class EagleDrafter:
                            h_BTD)
     return jnp.concatenate([a_BD[:, None], out_BTD.astype(a_BD.dtype)], 1)
 
+  @property
+  def drafts_behind(self) -> bool:
+    """Whether ``propose_behind`` can draft (``Drafter``): a P-EAGLE
+    block's slots read no draft."""
+    return self.cfg.variant == "peagle"
+
+  def propose_behind(self, params: EagleParams, state: EagleState,
+                     ctx: Context, behind_B, key, num_draft,
+                     sampling) -> Proposal:
+    """K drafts for the positions after ``ctx``'s committed tokens and
+    ``behind_B`` (< K) more that the target has not scored (PEARL's
+    pending drafts): a block of 2K - 1 slots, row b's drafts from slots
+    ``behind_B[b] ..`` on. Slots read placeholders, never the tokens
+    behind, so each draft's distribution is its slot's whatever those
+    tokens are."""
+    if not self.drafts_behind:
+      raise ValueError(f"a {self.cfg.variant} head drafts each token from "
+                       "the one before it; only a P-EAGLE block drafts "
+                       "behind unscored tokens")
+    state, stable_B, a_BD = self._start(params, state, ctx, num_draft)
+    out_BXD = self.block_outputs(params, state, stable_B, a_BD,
+                                 2 * num_draft - 1)
+    at_BK = behind_B[:, None] + jnp.arange(num_draft)[None, :]
+    return self._propose_block(
+        params, state, stable_B,
+        jnp.take_along_axis(out_BXD, at_BK[..., None], axis=1), key,
+        num_draft, sampling)
+
   def _propose_block(self, params: EagleParams, state: EagleState, stable_B,
-                     a_BD, key, num_draft, sampling) -> Proposal:
-    """K drafts from one block (``block_outputs``): draft i is drawn from
-    slot i's own distribution, which no other draft changed, so the chain
-    rule's verification is exact (``draft_chain`` over the K logits)."""
+                     out_BKD, key, num_draft, sampling) -> Proposal:
+    """K drafts from a block's K slot outputs (``block_outputs``): draft i
+    is drawn from slot i's own distribution, which no other draft changed,
+    so the chain rule's verification is exact (``draft_chain`` over the K
+    logits)."""
     V = params.embed.shape[0]
-    out_BKD = self.block_outputs(params, state, stable_B, a_BD, num_draft)
     logits_BKV = full_vocab_logits(self._call(params, "logits", out_BKD),
                                    params.draft_ids, V)
     step = lambda tok_B, i: (jax.lax.dynamic_index_in_dim(

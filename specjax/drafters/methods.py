@@ -125,7 +125,8 @@ class MethodSpec:
       trie's depth keep the verify narrow while the context's matches
       still draft ``num_draft`` deep.
     pearl: 1: draft while verifying (PEARL, ``core.pearl``): chains of
-      "draft", "layerskip" and "ngram", which read only tokens.
+      "draft", "layerskip" and "ngram", which read only tokens, and of
+      "peagle", whose block drafts behind unscored tokens.
     lookup_nodes: EAGLE and Medusa trees: this many of the ``tree_nodes``
       come from the n-gram-then-retrieval trie ("ngram+retrieval"), merged
       with the head's tree (``drafters.union``); with a ``tree_shape`` they
@@ -435,11 +436,17 @@ class _Head(_Own):
             UnionParams(head=built[1], table=store))
 
 
+class _PEagle(_Head):
+  """"peagle": a P-EAGLE block head, which also drafts behind PEARL's
+  pending drafts (``pearl``)."""
+  READS = _Head.READS | {"pearl"}
+
+
 _OWN = {"ar": _AR, "ngram": _NGram, "draft": _DraftModel,
         "layerskip": _LayerSkip, "retrieval": _Retrieval,
         "ngram+retrieval": _Lookup, "lookahead": _Lookahead, "clasp": _Clasp,
         "eagle": _Head, "eagle3": _Head, "medusa": _Head, "mtp": _Head,
-        "peagle": _Head}
+        "peagle": _PEagle}
 # The drafters that stop a chain early on their own confidence (dynamic K).
 DYNAMIC_K = tuple(m for m in METHODS if m in readers("min_confidence"))
 _DEFAULT_WIDTH = MethodSpec.tree_width
