@@ -6,7 +6,8 @@
 
 Each positional spec is a method in the library's grammar,
 NAME[:key=value...] (``specjax.drafters.methods.KNOBS``: k, nodes, width,
-shape, lookup, layers, conf, draft, head, conversations), so e.g. fixed and
+shape, lookup, layers, conf, draft, head, conversations, window, levels,
+refresh, pearl), so e.g. fixed and
 dynamic K, chain, dynamic and static trees, or two heads, share the AR
 baseline of one run (``specjax bench --method`` takes the same specs).
 Prints and appends one JSON line per spec (the `specjax.measure.bench`

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
@@ -41,6 +42,15 @@ def machine() -> str:
     pass
   return (f"{cpu}, {os.cpu_count()} cores, jax {jax.__version__} "
           f"({jax.default_backend()}), python {platform.python_version()}")
+
+
+def emit(line: dict, path=None) -> None:
+  """Prints one JSON line and, given a ``path``, appends it there."""
+  text = json.dumps(line)
+  print(text, flush=True)
+  if path:
+    with open(path, "a", encoding="utf-8") as f:
+      f.write(text + "\n")
 
 
 def timed(fn, *args):

@@ -15,7 +15,6 @@ sum as a check that every row carries them.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 SETTINGS = {"t1": dict(temperature=1.0),
@@ -34,7 +33,7 @@ def main(argv=None):
   ap.add_argument("--json", default=None)
   args = ap.parse_args(argv)
 
-  from benchmarks.common import machine
+  from benchmarks.common import emit, machine
   from specjax import data
   from specjax.core import runner
   from specjax.core.sampling import SamplingParams
@@ -67,10 +66,7 @@ def main(argv=None):
             logprob_sum=round(sum(sum(r.logprobs) for r in res.rows), 1),
             machine=machine(), when=time.strftime("%Y-%m-%d %H:%M"),
             **sp.record())
-        print(json.dumps(line), flush=True)
-        if args.json:
-          with open(args.json, "a", encoding="utf-8") as f:
-            f.write(json.dumps(line) + "\n")
+        emit(line, args.json)
 
 
 if __name__ == "__main__":

@@ -36,9 +36,11 @@ FAST = "gemma2_softcap"
 DRAFTERS = ("ngram", "ngram_trie", "lookup_trie", "lookahead", "eagle3",
             "eagle3_tree", "eagle3_static_2x2", "eagle3_tree+lookup",
             "eagle1", "medusa", "medusa_static_2x2x1", "layerskip", "clasp",
-            "draft_model", "mtp", "mtp_tree")
+            "draft_model", "mtp", "mtp_tree", "peagle", "peagle_tree",
+            "peagle_tree+lookup", "pearl_draft_model", "pearl_peagle")
 CORE = ("eagle3", "eagle3_tree", "medusa_static_2x2x1", "draft_model",
-        "layerskip", "mtp", "lookahead", "clasp")
+        "layerskip", "mtp", "lookahead", "clasp", "peagle_tree",
+        "pearl_peagle")
 DRAFTER_RUNS = [pytest.param(FAST, None, id=f"{FAST}-all")] + [
     run for arch in ARCHS if arch != FAST for run in (
         pytest.param(arch, "core", id=f"{arch}-core", marks=() if arch in (
@@ -211,8 +213,10 @@ def every_drafter(target, params, draft=None, names=None):
     return hcfg, init_head(jax.random.key(0), hcfg, target, params, vocab)
 
   def eagle(variant="eagle3", **drafter):
-    hcfg, h = head(variant, **({} if L >= 3 or variant != "eagle3" else
-                               dict(taps=(0, 1, 2))))
+    taps = {} if L >= 3 or variant not in ("eagle3", "peagle") else dict(
+        taps=(0, 1, 2))
+    mask = dict(mask_token=V - 1) if variant == "peagle" else {}
+    hcfg, h = head(variant, **taps, **mask)
     return EagleDrafter(hcfg, **drafter), EagleParams(
         head=h, draft_ids=ids, embed=target.embedding(params))
 
@@ -224,14 +228,15 @@ def every_drafter(target, params, draft=None, names=None):
     return jax.device_put(build_datastore(
         np.random.default_rng(0).integers(0, V, (8, 40)), num_slots=1024))
 
-  def union():
-    drafter, hparams = eagle(tree_width=2)
+  def union(variant="eagle3"):
+    drafter, hparams = eagle(variant, tree_width=2)
     return TreeUnion(drafter, LookupDrafter(), 3), UnionParams(
         head=hparams, table=store())
 
   static = lambda text: tuple(tree.parse_shape(text))
-  entry = lambda pair, K, nodes=0: (dict(drafter=pair[0], num_draft=K,
-                                         tree_nodes=nodes), pair[1])
+  entry = lambda pair, K, nodes=0, **kw: (dict(drafter=pair[0], num_draft=K,
+                                               tree_nodes=nodes, **kw),
+                                          pair[1])
   build = {  # name: () -> (DecodeConfig kwargs, drafter params)
       "ngram": lambda: entry((NGramDrafter(), None), 4),
       "ngram_trie": lambda: entry((NGramDrafter(num_paths=3), None), 4, 8),
@@ -245,6 +250,10 @@ def every_drafter(target, params, draft=None, names=None):
       "eagle1": lambda: entry(eagle("eagle1"), 3),
       "mtp": lambda: entry(eagle("mtp"), 3),
       "mtp_tree": lambda: entry(eagle("mtp", tree_width=2), 3, 6),
+      "peagle": lambda: entry(eagle("peagle"), 3),
+      "peagle_tree": lambda: entry(eagle("peagle", tree_width=2), 3, 6),
+      "peagle_tree+lookup": lambda: entry(union("peagle"), 3, 7),
+      "pearl_peagle": lambda: entry(eagle("peagle"), 3, pearl=True),
       "medusa": lambda: entry(medusa(), 3),
       "medusa_static_2x2x1": lambda: entry(
           medusa(tree_shape=static("2x2x1")), 3, 10),
@@ -256,6 +265,8 @@ def every_drafter(target, params, draft=None, names=None):
   if draft is not None:
     build["draft_model"] = lambda: entry(
         (DraftModelDrafter(draft[0]), draft[1]), 3)
+    build["pearl_draft_model"] = lambda: entry(
+        (DraftModelDrafter(draft[0]), draft[1]), 3, pearl=True)
   assert set(build) <= set(DRAFTERS)
   return {name: build[name]() for name in (names or build)}
 
@@ -265,8 +276,10 @@ def test_every_drafter_greedy_equals_transformers(arch, which, tmp_path):
   """Invariant: at T = 0 on a ragged batch, every drafter (n-gram chain
   and trie, the n-gram/retrieval trie, lookahead, CLaSp, untrained EAGLE-3
   chain, dynamic and static trees and tree + lookup trie, EAGLE-1, MTP and
-  Medusa chains, an MTP dynamic tree, a Medusa static tree, layer-skip, and a draft model of the
-  same architecture with other weights) emit transformers'
+  Medusa chains, an MTP dynamic tree, a Medusa static tree, layer-skip, a
+  draft model of the same architecture with other weights, an untrained
+  P-EAGLE block's chain, tree and tree + lookup trie, and PEARL with the
+  draft model and with the P-EAGLE head) emit transformers'
   ``generate(do_sample=False)`` tokens for each row run alone, on every
   architecture; and drafts were both accepted and rejected along the way."""
   name, model, cfg, params, _ = arch

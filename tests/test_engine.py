@@ -371,7 +371,8 @@ class _SiblingTree(DraftModelDrafter):
 # each at both temperatures.
 _EVERY = ["ngram_trie", "lookup_trie", "eagle3", "eagle3_tree",
           "eagle3_static_2x2", "eagle3_tree+lookup", "eagle1", "medusa",
-          "medusa_static_2x2x1", "layerskip", "mtp", "mtp_tree"]
+          "medusa_static_2x2x1", "layerskip", "mtp", "mtp_tree", "peagle",
+          "pearl_peagle"]
 
 
 # Every option: penalties that bite (the prompts repeat tokens, the output
@@ -433,7 +434,8 @@ def test_logprobs_are_the_targets_at_each_generated_token(tiny, method,
   tree whose accepted path is not its first nodes (a log-prob read at the
   node's depth instead of the node fails), and in the long stage every
   drafter (retrieval trie, EAGLE-3 chain, dynamic and static trees and the
-  head + lookup union, EAGLE-1, Medusa chain and static tree, layer-skip);
+  head + lookup union, EAGLE-1, Medusa chain and static tree, layer-skip,
+  a P-EAGLE block, and PEARL with it);
   0 at prompt positions and past each row's tokens. With the penalties, a
   bias, min-p and an allowed-token hook the warped distribution is the
   one at each position's own context (history and hook computed here from

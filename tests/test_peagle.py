@@ -101,6 +101,43 @@ def test_pearl_drafts_behind_pending_drafts_greedy_identically():
   assert sum(r.pre_verify_steps for r in spec.rows) > 0
 
 
+def test_pearl_pairs_each_committed_token_with_its_features():
+  """Invariant: after every PEARL step (both modes) the head's pending
+  pairs hold, for each committed position t from its stable length to the
+  newest token, the target's features at t as one teacher-forced forward
+  over the committed tokens gives them (1e-5): the block's features are
+  paired with the right tokens after an accepted chain (no bonus) and
+  after a rejection. (Misaligned features would stay exact, only draft
+  worse, so the chi-square cannot see this.)"""
+  from specjax.core import bucketing, engine
+  cfg, params, hcfg, dparams = _peagle(seed=1)
+  target = Decoder(cfg)
+  prompts = [[5, 6, 7, 8, 5, 6, 7], [9, 1, 9], [3, 4, 3, 4, 3, 4, 3, 4]]
+  prompt_BT, lengths = bucketing.pad_prompts(prompts)
+  kw = dict(target=target, dcfg=engine.DecodeConfig(
+      capacity=S, drafter=EagleDrafter(hcfg), num_draft=3, pearl=True),
+      drafter_params=dparams)
+  state = engine.prefill_jit(params, prompt_BT, lengths, jax.random.key(0),
+                             np.int32(40), **kw)
+  B, modes = len(prompts), set()
+  for _ in range(8):
+    modes |= {int(n > 0) for n in np.asarray(state.drafter_state.num)}
+    state = engine.step_jit(params, state, **kw)
+    assert not np.asarray(state.done).any()
+    out = target.forward(params, state.tokens,
+                         target.init_cache(params, B, S), taps=hcfg.taps)
+    feats = np.asarray(jnp.concatenate(list(out.taps), axis=-1))
+    inner = state.drafter_state.inner
+    stable, num = np.asarray(inner.lengths), np.asarray(state.num_tokens)
+    for b in range(B):
+      count = num[b] - 1 - stable[b]
+      assert 1 <= count <= 3
+      np.testing.assert_allclose(inner.pending[b, :count],
+                                 feats[b, stable[b]:stable[b] + count],
+                                 atol=1e-5)
+  assert modes == {0, 1}
+
+
 def test_drafting_behind_nothing_is_the_plain_block():
   """Invariant: ``propose_behind`` with nothing behind draws the plain
   block's K drafts from the same K distributions (its longer block of

@@ -132,11 +132,15 @@ def test_greedy_output_on_device_groups_is_ars():
   """Invariant: on a (role=2, data=2) mesh of forced host devices (the
   drafter on two devices, the target on the other two, each pair splitting
   a ragged batch of 4) PEARL emits AR's tokens at T = 0, as it does on one
-  device, with drafts accepted and both modes run."""
+  device, with drafts accepted and both modes run; so does a P-EAGLE head
+  drafting behind the pending drafts (the target's half returning the
+  head's features across the groups)."""
   out = run_worker("tests.pearl_worker", 4, "greedy")
   assert out["equal_one_device"] and out["equal_mesh"], out
+  assert out["runner_equal_mesh"], out
   assert out["pre_steps"] > 0 and out["post_steps"] > 0, out
   assert out["accepted"] > 0, out
+  assert out["peagle_equal_mesh"] and out["peagle_post_steps"] > 0, out
 
 
 def test_a_shared_key_on_device_groups_is_refused(tiny):

@@ -102,9 +102,9 @@ class DecodeConfig:
       it allows nothing ends the row (``STOP_NONFINITE``).
     pearl: draft while verifying (``core.pearl``): each step the drafter
       drafts K tokens behind the drafts the target scores in the same step;
-      a chain drafter that reads only tokens. On a mesh with a ``role``
-      axis (``pearl.make_mesh``) the two halves run on disjoint device
-      groups at once.
+      a chain drafter that reads only tokens, or a P-EAGLE head. On a mesh
+      with a ``role`` axis (``pearl.make_mesh``) the two halves run on
+      disjoint device groups at once.
   """
   capacity: int
   sampling: SamplingParams = SamplingParams()

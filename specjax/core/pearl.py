@@ -107,7 +107,7 @@ def check_config(dcfg: engine.DecodeConfig) -> None:
   drafter = dcfg.drafter
   if drafter is None:
     raise ValueError("PEARL needs a drafter (a draft model, layer-skip, "
-                     "n-gram)")
+                     "n-gram, a P-EAGLE head)")
   if dcfg.tree_nodes:
     raise ValueError(f"PEARL drafts chains; tree_nodes={dcfg.tree_nodes} "
                      "is not supported")

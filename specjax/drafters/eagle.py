@@ -2,10 +2,12 @@
 
 The head consumes pairs (target feature at position t, token t + 1). Its
 "stable" KV cache holds one entry per committed pair; it lags the target:
-after a step that committed n tokens, pairs t < n - 1 - c are in the cache
-and the last c pairs (c = accepted + 1) are *pending*: their target features
-came with the verify forward (``commit(features=...)``, kept as
-``pending [B, K + 1, F]``) and their tokens are committed tokens.
+after a step that committed c tokens (accepted drafts and the bonus or
+correction; PEARL's accepted chain takes no bonus), of n in all, pairs
+t < n - 1 - c are in the cache and the last c pairs are *pending*: their
+target features came with the verify forward (``commit(features=...)``,
+kept as ``pending [B, K + 1, F]``, rows past c unread) and their tokens are
+committed tokens.
 
 ``propose`` runs the pending pairs through the head as one padded block of
 K + 1 (ragged c per row), takes the head output at each row's last valid pair
@@ -95,7 +97,8 @@ class EagleDrafter:
   draft whose head distribution (over Vd, before temperature) has its top
   probability below the threshold. The rule reads distributions, never the
   drawn token, so verification stays exact; a step where no row drafts costs
-  one single-token target forward (``engine.step``).
+  one single-token target forward (``engine.step``; PEARL's forward is
+  always K wide).
   """
   cfg: HeadConfig
   min_confidence: float = 0.0

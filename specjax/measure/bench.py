@@ -51,6 +51,7 @@ import time
 from typing import Callable, Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from specjax.core import bucketing, engine, runner
@@ -128,9 +129,15 @@ def measure_costs(model: Model, prompts: Sequence[Sequence[int]],
   draft = 0.0
   if K:
     d, M = dcfg.drafter, dcfg.tree_nodes
-    propose = jax.jit(
-        (lambda p, s, c, k, sp: d.propose_tree(p, s, c, k, K, M, sp)) if M
-        else (lambda p, s, c, k, sp: d.propose(p, s, c, k, K, sp)))
+    if M:
+      propose = lambda p, s, c, k, sp: d.propose_tree(p, s, c, k, K, M, sp)
+    elif dcfg.pearl and d.feature_taps:  # a block of 2K - 1, whatever P
+      behind = jnp.zeros((len(prompts),), jnp.int32)
+      propose = lambda p, s, c, k, sp: d.propose_behind(p, s, c, behind, k,
+                                                        K, sp)
+    else:
+      propose = lambda p, s, c, k, sp: d.propose(p, s, c, k, K, sp)
+    propose = jax.jit(propose)
     ctx = engine.drafter_context(state, d)
     sampler = state.sampler(dcfg, model.config.vocab_size)
     start = state.drafter_state.inner if dcfg.pearl else state.drafter_state
@@ -332,7 +339,7 @@ def run(model: Model, methods_: Sequence[methods.MethodSpec | tuple],
                                 a.new_tokens
                                 for a, t in zip(ar_tallies, runs))
     predicted = costs.predicted_speedup(acc["tau"], ar_step_s, wide_fraction)
-    pearl = {} if not spec.pearl else dict(
+    pearl = {} if not dcfg.pearl else dict(
         pre_verify_steps=sum(r.pre_verify_steps for r in runs[0].rows),
         post_verify_steps=sum(r.post_verify_steps for r in runs[0].rows),
         predicted_speedup_two_groups=round(costs.predicted_speedup(
