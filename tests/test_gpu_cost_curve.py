@@ -30,3 +30,25 @@ def test_cost_curve_times_forwards_and_head_steps(tmp_path):
                                 repeats=10, deadline=0.0)
   assert late["forward"] == [] and late["head"] == []
   assert late["skipped"] == ["forward tiny float32", "head tiny float32"]
+
+
+def test_pearl_predictions_wait_for_the_longer_half():
+  """Invariant: from a curve with SmolLM2's and the 8B's forwards,
+  PEARL's prediction on two devices divides the tokens a step emits by the
+  longer of the draft (K one-token SmolLM2 forwards) and the 8B's forward
+  over K; on one device by their sum; the chain's by K - 1 drafts and the
+  same forward. A curve without the 8B gives none."""
+  from specjax.measure import theory
+  row = lambda shape, t, ms: dict(shape=shape, dtype="bfloat16", batch=1,
+                                  tokens=t, ms=ms)
+  curve = dict(forward=[row("llama-8b", 1, 20.0), row("llama-8b", 4, 24.0),
+                        row("smollm2-135m", 1, 3.0)], head=[])
+  [p] = cost_curve.pearl_predictions(curve, alphas=(0.7,), k=4)
+  tokens = theory.pearl_steps(0.7, 4).tokens
+  draft, verify = 4 * 3.0 / 20.0, 24.0 / 20.0
+  assert p["pearl_two_devices"] == round(tokens / max(draft, verify), 3)
+  assert p["pearl_one_device"] == round(tokens / (draft + verify), 3)
+  assert p["chain_speedup"] == round(
+      theory.expected_tokens(0.7, 3) / (3 * 3.0 / 20.0 + verify), 3)
+  assert cost_curve.pearl_predictions(dict(forward=curve["forward"][2:],
+                                           head=[])) == []

@@ -5,6 +5,7 @@ refused. The chi-square against transformers' law and its mutation are
 ``test_exactness``'s (long stage)."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AbstractMesh
@@ -13,6 +14,7 @@ from specjax import testing
 from specjax.core import bucketing, engine, pearl, runner
 from specjax.drafters import (DraftModelDrafter, LayerSkipDrafter,
                               NGramDrafter, methods)
+from specjax.drafters.base import Proposal, Stateless
 from specjax.drafters.eagle import EagleDrafter
 from specjax.heads.base import HeadConfig
 from specjax.models.decoder import Decoder
@@ -101,6 +103,67 @@ def test_the_method_grammar_runs_pearl_through_the_runner():
       assert r.pre_verify_steps + r.post_verify_steps == r.target_forwards
   assert all(r.pre_verify_steps == r.post_verify_steps == 0
              for r in ar.rows)
+
+
+class _AlwaysZero(Stateless):
+  """A deterministic drafter that drafts token 0 K times."""
+
+  def propose(self, params, state, ctx, key, num_draft, sampling):
+    B = ctx.tokens.shape[0]
+    return Proposal(tokens=jnp.zeros((B, num_draft), jnp.int32), probs=None,
+                    num_drafted=jnp.full((B,), num_draft, jnp.int32),
+                    state=state)
+
+
+def _constant_target(alpha: float):
+  """A tiny target whose next-token distribution is the same at every
+  position, token 0 with probability ``alpha``: its layers are zero (the
+  residual stream stays the embedding), every token embeds alike, and its
+  LM head's rows give the logits."""
+  cfg, params = testing.tiny("qwen2_bias_untied")
+  V, D = cfg.vocab_size, cfg.dim
+  zero = jax.tree.map(jnp.zeros_like, params)
+  logits = np.full(V, np.log((1 - alpha) / (V - 1)))
+  logits[0] = np.log(alpha)
+  return cfg, zero.replace(
+      embed=jnp.ones((V, D)), final_norm=jnp.ones((D,)),
+      lm_head=jnp.asarray(np.repeat(logits[:, None] / D, D, 1), jnp.float32))
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("alpha", [0.6, 0.85])
+def test_the_modes_follow_the_theorys_two_state_chain(alpha):
+  """Invariant: with every draft accepted with probability α, independently
+  (a target whose every position gives token 0 probability α, a drafter
+  that always drafts token 0), PEARL's tokens per step and share of steps
+  with nothing pending over 500 rows of 400 tokens at T = 1 (each row's
+  first step, always pre-verify, and its last, cut at the budget, are a
+  step in 200) match ``theory.pearl_steps`` within 0.02. The same numbers
+  rule out a chain that takes a bonus token after an accepted chain
+  (``expected_tokens(α, K)`` per post-verify step, 0.09 and 0.42 more), so
+  the check can fail."""
+  from specjax.measure import theory
+  cfg, params = _constant_target(alpha)
+  N, K, NEW = 500, 3, 400
+  dcfg = engine.DecodeConfig(capacity=512, sampling=engine.SamplingParams(1.0),
+                             drafter=_AlwaysZero(), num_draft=K, pearl=True)
+  st = engine.generate_jit(params, jnp.ones((N, 2), jnp.int32),
+                           jnp.full((N,), 2, jnp.int32), jax.random.key(0),
+                           np.int32(NEW), target=Decoder(cfg), dcfg=dcfg)
+  p0 = float(jax.nn.softmax(Decoder(cfg).forward(
+      params, jnp.ones((1, 1), jnp.int32),
+      Decoder(cfg).init_cache(params, 1, 4)).logits[0, 0])[0])
+  assert abs(p0 - alpha) < 1e-4
+  pend = st.drafter_state
+  steps = np.asarray(pend.pre_steps + pend.post_steps).sum()
+  emitted = (np.asarray(st.num_tokens) - 2 - 1).sum()  # not the prefill's
+  tokens, pre = emitted / steps, np.asarray(pend.pre_steps).sum() / steps
+  want = theory.pearl_steps(alpha, K)
+  assert abs(tokens - want.tokens) < 0.02, (tokens, want)
+  assert abs(pre - want.pre_verify) < 0.02, (pre, want)
+  bonus = want.pre_verify + (1 - want.pre_verify) * theory.expected_tokens(
+      alpha, K)
+  assert abs(tokens - bonus) > 0.05, (tokens, bonus)
 
 
 @pytest.mark.long

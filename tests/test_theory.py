@@ -113,3 +113,17 @@ def test_best_tree_is_a_chain_or_a_star_at_the_extremes():
   star = theory.best_tree([[0.5, 0.3, 0.1, 0.05]], 3)
   assert star.paths == ((0,), (1,), (2,)) and star.spec() == "0,1,2"
   assert theory.best_tree([[0.5]], 0).expected_tokens == 1.0
+
+
+def test_pearl_steps_at_the_extremes():
+  """Invariant: PEARL's two-state chain (``pearl_steps``) at α = 0 never
+  leaves pre-verify and emits one token a step; at α = 1 it stays in
+  post-verify, K tokens a step; in between it lies between. Against the
+  engine: ``test_pearl.test_the_modes_follow_the_theorys_two_state_chain``
+  (long)."""
+  assert theory.pearl_steps(0.0, 4) == theory.PearlSteps(1.0, 1.0)
+  assert theory.pearl_steps(1.0, 4) == theory.PearlSteps(4.0, 0.0)
+  mid = theory.pearl_steps(0.7, 4)
+  assert 1 < mid.tokens < 4 and 0 < mid.pre_verify < 1
+  with pytest.raises(ValueError, match="k >= 1"):
+    theory.pearl_steps(0.5, 0)

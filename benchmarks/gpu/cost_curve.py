@@ -258,6 +258,42 @@ def predicted_speedups(curve: dict, alpha: float | None = None
   return out
 
 
+def pearl_predictions(curve: dict, alphas=(0.6, 0.7, 0.8), k: int = 4
+                      ) -> list[dict]:
+  """What the cost model predicts from a curve for SmolLM2-135M drafting
+  for the 8B shape, per (dtype, batch, α): the plain chain at K - 1 and
+  PEARL at K (``theory.pearl_steps``), both scoring K tokens a forward, on
+  one device and, for PEARL, on two (the 135M's K one-token forwards
+  beside the 8B's forward over K, ``step_speedup(overlap=True)``). Costs
+  in the 8B's one-token forwards; empty unless both shapes were timed at
+  1 and K tokens."""
+  from specjax.measure import theory
+  fwd = {}
+  for r in curve["forward"]:
+    fwd.setdefault((r["dtype"], r["batch"]), {})[r["shape"], r["tokens"]] = (
+        r["ms"])
+  out = []
+  for (dtype, batch), ms in sorted(fwd.items()):
+    need = [("llama-8b", 1), ("llama-8b", k), ("smollm2-135m", 1)]
+    if not all(n in ms for n in need):
+      continue
+    unit = ms["llama-8b", 1]
+    draft, verify = k * ms["smollm2-135m", 1] / unit, ms["llama-8b", k] / unit
+    for alpha in alphas:
+      steps = theory.pearl_steps(alpha, k)
+      chain = theory.step_speedup(theory.expected_tokens(alpha, k - 1),
+                                  verify, draft * (k - 1) / k)
+      out.append(dict(
+          dtype=dtype, batch=batch, alpha=alpha, k=k,
+          draft=round(draft, 4), verify=round(verify, 4),
+          chain_speedup=round(chain, 3),
+          pearl_one_device=round(theory.step_speedup(
+              steps.tokens, verify, draft), 3),
+          pearl_two_devices=round(theory.step_speedup(
+              steps.tokens, verify, draft, overlap=True), 3)))
+  return out
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu curve",
                                description=__doc__.splitlines()[0])

@@ -216,9 +216,11 @@ def cmd_unpack(args) -> int:
       kept[name] = str(results / dest)
   out = dict(kept=kept)
   if "cost_curve.json" in found:
-    from benchmarks.gpu.cost_curve import predicted_speedups
-    out["predicted"] = predicted_speedups(json.loads(
-        found["cost_curve.json"].read_text()))
+    from benchmarks.gpu.cost_curve import (pearl_predictions,
+                                           predicted_speedups)
+    curve = json.loads(found["cost_curve.json"].read_text())
+    out["predicted"] = predicted_speedups(curve)
+    out["predicted_pearl"] = pearl_predictions(curve)
   if "result.json" in found:
     out.update(_unpack_head(json.loads(found["result.json"].read_text()),
                             found, args))

@@ -48,18 +48,45 @@ def speedup(alpha: float, k: int, c: float,
   return 1.0 / time_per_token(alpha, k, c, verify_cost)
 
 
-def step_speedup(tokens: float, verify: float, draft: float = 0.0) -> float:
+def step_speedup(tokens: float, verify: float, draft: float = 0.0,
+                 overlap: bool = False) -> float:
   """The speedup of a method measured as a whole step rather than α: each
   step emits ``tokens`` (its measured τ) for a verify forward of ``verify``
   AR steps (v of the tokens it scores: Lookahead scores 1 + its trie's
   nodes + its window's K·W tokens, where a chain scores K + 1) plus
   ``draft`` AR steps of drafting (CLaSp: K forwards of L - M of the L
   layers, plus its dynamic programme, about a forward over M tokens):
-  τ / (draft + verify)."""
+  τ / (draft + verify); with ``overlap`` (PEARL on two device groups) the
+  two run at once: τ / max(draft, verify)."""
   if tokens < 1 or verify <= 0 or draft < 0:
     raise ValueError(f"want tokens >= 1, verify > 0, draft >= 0; got "
                      f"{tokens}, {verify}, {draft}")
-  return tokens / (draft + verify)
+  return tokens / (max(draft, verify) if overlap else draft + verify)
+
+
+@dataclasses.dataclass(frozen=True)
+class PearlSteps:
+  """PEARL's steps at i.i.d. acceptance α (``pearl_steps``): tokens a step
+  emits on average and the share of steps with nothing pending."""
+  tokens: float
+  pre_verify: float
+
+
+def pearl_steps(alpha: float, k: int) -> PearlSteps:
+  """PEARL's modes (``core.pearl``) as a two-state chain. With nothing
+  pending a step tests one draft and emits one token (the draft or the
+  correction), going on with K - 1 pending with probability α. With drafts
+  pending it tests a chain of K: all accepted (α^K) emits K and stays;
+  else the first rejection after j accepted emits j + 1 and leaves nothing
+  pending. The chain's stationary share of pre-verify steps is
+  (1 − α^K) / (α + 1 − α^K); a post-verify step emits
+  E[tokens](α, K − 1) = Σ_{j<K} α^j on average (``expected_tokens``)."""
+  if k < 1:
+    raise ValueError(f"PEARL needs k >= 1, got {k}")
+  post_tokens = expected_tokens(alpha, k - 1)
+  leave = 1 - alpha ** k  # post -> pre
+  pre = leave / (alpha + leave) if alpha + leave > 0 else 1.0
+  return PearlSteps(tokens=pre + (1 - pre) * post_tokens, pre_verify=pre)
 
 
 def with_prefill(speedup_: float, prefill: float, new_tokens: int) -> float:
