@@ -31,10 +31,10 @@ def tiny():
 
 def _decode(params, cfg, **kw):
   prompt_BT, lengths = bucketing.pad_prompts(PROMPTS)
-  st = engine.generate_jit(params, prompt_BT, lengths, jax.random.key(0), np.int32(NEW),
-           target=Decoder(cfg),
-           dcfg=engine.DecodeConfig(capacity=64, **kw),
-           drafter_params=params if kw else None)
+  st = engine.generate_jit(params, prompt_BT, lengths, jax.random.key(0),
+                           np.int32(NEW), target=Decoder(cfg),
+                           dcfg=engine.DecodeConfig(capacity=64, **kw),
+                           drafter_params=params if kw else None)
   return [st.tokens[b, lengths[b]:st.num_tokens[b]].tolist()
           for b in range(len(PROMPTS))], st
 
@@ -74,7 +74,8 @@ def test_what_pearl_cannot_run_is_refused(tiny):
     with pytest.raises(ValueError, match=words):
       _decode(params, cfg, pearl=True, **kw)
   for text, words in (
-      ("eagle3:pearl=1", "pearl is for draft, layerskip, ngram, peagle; eagle3"),
+      ("eagle3:pearl=1",
+       "pearl is for draft, layerskip, ngram, peagle; eagle3"),
       ("ngram:nodes=4:pearl=1", "pearl drafts chains"),
       ("ngram:pearl=2", "pearl must be 0 or 1, got 2")):
     with pytest.raises(methods.MethodError, match=words):
