@@ -56,47 +56,38 @@ def main(argv=None):
   built = {s: (methods.build(one, s), methods.build(groups, s))
            for s in specs}
   kw = dict(max_new_tokens=args.max_new_tokens, sampling=SamplingParams())
-  ar = runner.BatchResult(rows=[], wall_s=0.0, compile_s=0.0, num_steps=0)
-  runs = {s: ([], []) for s in specs}
+  ar = bench.Tally()
+  runs = {s: (bench.Tally(), bench.Tally()) for s in specs}
   for i, prompt in enumerate(ids):
-    res = runner.generate_ids(one, [prompt], **kw)
-    ar.rows += res.rows
-    ar.wall_s += res.wall_s
-    ar.num_steps += res.num_steps + 1
+    ar.add(runner.generate_ids(one, [prompt], **kw))
     for s, (m_one, m_groups) in built.items():
-      runs[s][0].append(runner.generate_ids(one, [prompt], method=m_one,
-                                            **kw))
-      runs[s][1].append(runner.generate_ids(groups, [prompt],
-                                            method=m_groups, **kw))
+      runs[s][0].add(runner.generate_ids(one, [prompt], method=m_one, **kw))
+      runs[s][1].add(runner.generate_ids(groups, [prompt], method=m_groups,
+                                         **kw))
     print(f"prompt {i + 1}/{len(ids)}", flush=True)
-  ar_tok_s = ar.new_tokens / ar.wall_s
-  ar_step_s = ar.wall_s / ar.num_steps
+  tok_s = lambda tally: tally.new_tokens / tally.wall_s
+  ar_step_s = ar.wall_s / ar.steps
   for s, (on_one, on_groups) in runs.items():
     method = built[s][0]
     dcfg = runner.decode_config(
         one, bucketing.bucket_length(len(ids[0])),
         args.max_new_tokens, kw["sampling"], method)
     costs = bench.measure_costs(one, ids[:1], dcfg, method.params)
-    rows = [r for res in on_one for r in res.rows]
+    rows = on_one.rows
     acc = bench.acceptance_stats(rows, s.k)
-    tok_s = lambda results: (sum(r.new_tokens for r in results)
-                             / sum(r.wall_s for r in results))
-    same = lambda results: all(
-        a.output_ids == b.output_ids
-        for a, b in zip(ar.rows, [r for res in results for r in res.rows]))
     line = dict(
         method=s.text(), dataset=args.dataset, num_prompts=len(ids),
         max_new_tokens=args.max_new_tokens, temperature=0.0,
-        ar_tokens_per_s=round(ar_tok_s, 3),
+        ar_tokens_per_s=round(tok_s(ar), 3),
         one_device_tokens_per_s=round(tok_s(on_one), 3),
         two_groups_tokens_per_s=round(tok_s(on_groups), 3),
-        one_device_speedup=round(tok_s(on_one) / ar_tok_s, 4),
-        two_groups_speedup=round(tok_s(on_groups) / ar_tok_s, 4),
+        one_device_speedup=round(tok_s(on_one) / tok_s(ar), 4),
+        two_groups_speedup=round(tok_s(on_groups) / tok_s(ar), 4),
         tau=round(acc["tau"], 4),
         pre_verify_steps=sum(r.pre_verify_steps for r in rows),
         post_verify_steps=sum(r.post_verify_steps for r in rows),
-        greedy_identical_one_device=same(on_one),
-        greedy_identical_two_groups=same(on_groups),
+        greedy_identical_one_device=on_one.outputs == ar.outputs,
+        greedy_identical_two_groups=on_groups.outputs == ar.outputs,
         predicted_one_device=round(costs.predicted_speedup(
             acc["tau"], ar_step_s), 4),
         predicted_two_groups=round(costs.predicted_speedup(

@@ -189,8 +189,8 @@ def _next_pending(pend: Pending, drafts_BK, probs_BKV, num_drafted_B,
       post_steps=pend.post_steps + (live_B & (pend.num > 0)))
 
 
-def _draft(state: engine.DecodeState, key, *, dcfg: engine.DecodeConfig,
-           vocab_size: int, drafter_params):
+def draft_half(state: engine.DecodeState, key, *,
+               dcfg: engine.DecodeConfig, vocab_size: int, drafter_params):
   """The drafter's half: K drafts behind the pending ones, ``(proposal, its
   distributions)`` (one-hot for a deterministic drafter). A drafter that
   reads only tokens drafts after them; one that reads the target's
@@ -229,7 +229,7 @@ def _draft_and_score(params, state: engine.DecodeState, key, *,
   ``((proposal, distributions), (logits, new cache entries))``. On a mesh
   with a ``role`` axis (``make_mesh``) the drafter runs on role 0's devices
   and the target on role 1's, at once (``_on_groups``)."""
-  draft = lambda state, key, dparams: _draft(
+  draft = lambda state, key, dparams: draft_half(
       state, key, dcfg=dcfg, vocab_size=target.config.vocab_size,
       drafter_params=dparams)
   score = lambda params, state: _score(params, state, target=target,

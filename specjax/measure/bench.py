@@ -51,7 +51,6 @@ import time
 from typing import Callable, Optional, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from specjax.core import bucketing, engine, runner
@@ -127,26 +126,26 @@ def measure_costs(model: Model, prompts: Sequence[Sequence[int]],
   verify = median_time(
       lambda: fwd(model.params, state.tokens[:, :width], state.cache), repeats)
   draft = 0.0
-  if K:
+  if dcfg.pearl:  # PEARL's drafter half as its step runs it
+    from specjax.core import pearl
+    half = jax.jit(lambda s, k, p: pearl.draft_half(
+        s, k, dcfg=dcfg, vocab_size=model.config.vocab_size,
+        drafter_params=p))
+    draft = median_time(lambda: half(state, jax.random.key(1),
+                                     drafter_params), repeats)
+  elif K:
     d, M = dcfg.drafter, dcfg.tree_nodes
-    if M:
-      propose = lambda p, s, c, k, sp: d.propose_tree(p, s, c, k, K, M, sp)
-    elif dcfg.pearl and d.feature_taps:  # a block of 2K - 1, whatever P
-      behind = jnp.zeros((len(prompts),), jnp.int32)
-      propose = lambda p, s, c, k, sp: d.propose_behind(p, s, c, behind, k,
-                                                        K, sp)
-    else:
-      propose = lambda p, s, c, k, sp: d.propose(p, s, c, k, K, sp)
-    propose = jax.jit(propose)
+    propose = jax.jit(
+        (lambda p, s, c, k, sp: d.propose_tree(p, s, c, k, K, M, sp)) if M
+        else (lambda p, s, c, k, sp: d.propose(p, s, c, k, K, sp)))
     ctx = engine.drafter_context(state, d)
     sampler = state.sampler(dcfg, model.config.vocab_size)
-    start = state.drafter_state.inner if dcfg.pearl else state.drafter_state
 
     def proposals():
       """DRAFT_RUN proposals, each on the drafter state the last returned
       (a drafter whose cost varies from step to step, as CLaSp choosing its
       layers every ``refresh`` steps, is timed over its cycle)."""
-      drafter_state = start
+      drafter_state = state.drafter_state
       for _ in range(DRAFT_RUN):
         out = propose(drafter_params, drafter_state, ctx, jax.random.key(1),
                       sampler)
@@ -159,7 +158,7 @@ def measure_costs(model: Model, prompts: Sequence[Sequence[int]],
 
 
 @dataclasses.dataclass
-class _Tally:
+class Tally:
   """Sums over batches for one method in one repeat."""
   wall_s: float = 0.0
   steps: int = 0
@@ -294,8 +293,8 @@ def run(model: Model, methods_: Sequence[methods.MethodSpec | tuple],
   total = repeats * len(batches) * (1 + len(specs))
   bar = tqdm(total=total, desc="bench", unit="run", disable=not progress)
   for rep in range(repeats):
-    ar = _Tally()
-    per = {s: _Tally() for s in specs}
+    ar = Tally()
+    per = {s: Tally() for s in specs}
     for i, chunk in enumerate(batches):
       batch_runs = done.get((rep, i))
       if batch_runs is None:
