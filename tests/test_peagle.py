@@ -302,6 +302,48 @@ def test_training_outputs_equal_drafting_on_each_chain():
           (b, e, t[b], d)))
 
 
+def test_each_entry_is_scored_on_the_token_its_depth_drafts():
+  """Invariant: ``peagle_loss`` scores entry (t, d) -- the head's output
+  drafting x[t + 2 + d] -- against the target's distribution at t + 1 + d,
+  counted where x[t + 2 + d] is an assistant token and the target's argmax
+  at t + 1 + d is in the draft vocabulary: per depth, the loss and the
+  accuracy equal soft CE and argmax hits summed entry by entry (brute
+  force). Scoring every depth on depth 0's token fails it."""
+  from specjax.heads import head_call
+  from specjax.training.ttt import (TTTBatch, cod_layout, peagle_loss,
+                                    peagle_outputs)
+  cfg, params, hcfg, dparams = _peagle()
+  B, T, D, key = 2, 9, 3, jax.random.key(2)
+  rng = np.random.default_rng(7)
+  batch = TTTBatch(
+      tokens=jnp.asarray(rng.integers(0, 37, (B, T)), jnp.int32),
+      taps=jnp.asarray(rng.normal(size=(B, T, 3 * cfg.dim)), jnp.float32),
+      target_logits=jnp.asarray(3 * rng.normal(size=(B, T, 37)), jnp.float32),
+      target_in_vocab=jnp.asarray(rng.random((B, T)) < 0.8),
+      loss_mask=jnp.asarray(rng.random((B, T)) < 0.7))
+  _, m = peagle_loss(dparams.head, hcfg, params.embed, batch, D, key)
+  lay = cod_layout(key, B, T, D, 0.5)
+  logits = np.asarray(head_call(hcfg, dparams.head)("logits", peagle_outputs(
+      dparams.head, hcfg, params.embed, batch, lay)))
+  target, in_vocab, mask = (np.asarray(x) for x in (
+      batch.target_logits, batch.target_in_vocab, batch.loss_mask))
+  ce, hits, count = np.zeros(D), np.zeros(D), np.zeros(D)
+  for b in range(B):
+    for e, d in enumerate(np.asarray(lay.depth)):
+      s = int(lay.anchor[b, e]) + 1 + d  # the position whose next token
+      if s + 1 >= T or not (mask[b, s + 1] and in_vocab[b, s]):
+        continue
+      p = np.exp(target[b, s] - target[b, s].max())
+      logq = logits[b, e] - np.log(np.sum(np.exp(logits[b, e])))
+      ce[d] -= np.sum(p / p.sum() * logq)
+      hits[d] += logits[b, e].argmax() == target[b, s].argmax()
+      count[d] += 1
+  assert count.min() > 0
+  np.testing.assert_array_equal(np.asarray(m["count"]), count)
+  np.testing.assert_allclose(np.asarray(m["loss"]), ce / count, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(m["acc"]), hits / count)
+
+
 @pytest.mark.long
 def test_a_head_trained_on_cod_depths_drafts_its_block():
   """Invariant: a P-EAGLE head over-fitted with ``peagle_loss`` on the

@@ -372,8 +372,9 @@ def peagle_loss(params, cfg: HeadConfig, embed_VD, batch: TTTBatch,
   B, T = batch.tokens.shape
   lay = cod_layout(key, B, T, num_depths, ratio)
   p = _shifted(batch, num_depths)
+  step_BE = lay.anchor + lay.depth[None]  # entry (t, d) is TTT step d at t
   at = lambda a, off: jnp.take_along_axis(
-      a, (lay.anchor + off).reshape(lay.anchor.shape + (1,) * (a.ndim - 2)),
+      a, (step_BE + off).reshape(step_BE.shape + (1,) * (a.ndim - 2)),
       axis=1)
   x_BED = call("normed", peagle_outputs(params, cfg, embed_VD, batch, lay))
   sizes = [T] + [cod_count(T, ratio, d) for d in range(1, num_depths)]
