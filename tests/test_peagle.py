@@ -6,6 +6,8 @@ Sampled exactness (chi-square, and the mutation it must catch) is in
 tests/test_exactness.py.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -233,6 +235,34 @@ def test_a_peagle_config_is_refused_where_it_cannot_work():
   with pytest.raises(ValueError, match="not a static tree_shape"):
     EagleDrafter(hcfg, tree_shape=(0, 0, 1)).propose_tree(
         dparams, None, None, None, 2, 3, None)
+
+
+def test_a_block_deeper_than_the_head_was_trained_is_refused(tmp_path):
+  """Invariant: a P-EAGLE head records the depths it was trained on
+  (``block_depths``), and a block of more slots is refused in one line --
+  by the drafter, and by the method grammar before decoding (K past them,
+  or PEARL's 2K - 1 slots past them); a block within them runs. Other
+  variants take no depths."""
+  import dataclasses
+  from specjax.drafters import methods
+  from specjax.heads.export import save_head
+  cfg, _, hcfg, dparams = _peagle()
+  with pytest.raises(ValueError, match="block_depths is a P-EAGLE head's"):
+    HeadConfig.for_target(cfg, 37, taps=(0, 1, 2), block_depths=3)
+  deep = dataclasses.replace(hcfg, block_depths=3)
+  with pytest.raises(ValueError, match="trained on 3 depths; a block of 4"):
+    EagleDrafter(deep).block_outputs(dparams, None, None, None, 4)
+  path = tmp_path / "pe.npz"
+  save_head(path, deep, dparams.head, np.asarray(dparams.draft_ids))
+  model = testing.tiny_model("llama_gqa_tied", seed=3)
+  for text, words in (("k=4", "a block of 4 slots"),
+                      ("k=3:pearl=1", "a block of 5 slots drafts past them "
+                       "(num_draft at most 3, with PEARL at most 2)")):
+    with pytest.raises(methods.MethodError, match=re.escape(words)):
+      methods.build(model, methods.MethodSpec.parse(
+          f"peagle:{text}:head={path}"))
+  for text in ("k=3", "k=3:nodes=6:width=2", "k=2:pearl=1"):
+    methods.build(model, methods.MethodSpec.parse(f"peagle:{text}:head={path}"))
 
 
 def test_cod_layout_equals_the_rule_written_entry_by_entry():

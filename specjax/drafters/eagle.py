@@ -213,7 +213,9 @@ class EagleDrafter:
     last, at position ``stable - 1``), then K - 1 placeholder slots run as
     one block at positions ``stable .. stable + K - 2``, each seeing the
     prefix (slot 0 included) and the slots before it. Returns the K outputs
-    ``[B, K, D]``; the placeholders' cache entries are scratch."""
+    ``[B, K, D]``; the placeholders' cache entries are scratch. Refuses a
+    block deeper than the head's trained depths (``check_block``)."""
+    self.cfg.check_block(num_draft)
     B, T = a_BD.shape[0], num_draft - 1
     tok_BT = jnp.full((B, T), self.cfg.mask_token, jnp.int32)
     h_BTD = self._call(params, "placeholders", tok_BT)

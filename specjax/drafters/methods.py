@@ -572,6 +572,12 @@ def _head(model: "Model", spec: "_Head"):
     return (MedusaDrafter(cfg, spec.min_confidence, shape),
             MedusaParams(head=head, draft_ids=draft_ids))
   from specjax.drafters.eagle import EagleDrafter, EagleParams
+  if variant == "peagle":  # PEARL's block: K past K - 1 unscored tokens
+    try:
+      cfg.check_block(2 * spec.num_draft - 1 if spec.pearl
+                      else spec.num_draft)
+    except ValueError as e:
+      raise MethodError(str(e)) from None
   if spec.tree_width > cfg.draft_vocab:
     raise MethodError(f"tree_width {spec.tree_width} exceeds the head's "
                       f"draft vocabulary ({cfg.draft_vocab})")

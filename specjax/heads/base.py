@@ -54,6 +54,8 @@ class HeadConfig:
       what specjax trains).
     mask_token: a P-EAGLE head's placeholder token, the token of its block's
       slots 1..K-1 (-1 for the other variants).
+    block_depths: the depths a P-EAGLE head was trained on: the most slots
+      its block drafts (``check_block``; 0: not recorded, no limit).
   """
   target_dim: int
   target_vocab: int
@@ -71,6 +73,7 @@ class HeadConfig:
   qk_norm: bool = False
   feed_normed: bool = False
   mask_token: int = -1
+  block_depths: int = 0
 
   def __post_init__(self):
     if self.variant not in VARIANTS:
@@ -87,6 +90,20 @@ class HeadConfig:
                        f"[0, {self.target_vocab}), got {self.mask_token}")
     if self.variant != "peagle" and self.mask_token != -1:
       raise ValueError(f"mask_token is for P-EAGLE heads, not {self.variant}")
+    if self.block_depths < 0 or (self.block_depths
+                                 and self.variant != "peagle"):
+      raise ValueError(f"block_depths is a P-EAGLE head's trained depths "
+                       f"(>= 0), got {self.block_depths} for {self.variant}")
+
+  def check_block(self, slots: int) -> None:
+    """Raises ValueError when a P-EAGLE block of ``slots`` would draft at
+    depths the head was never trained on (``block_depths``)."""
+    if self.block_depths and slots > self.block_depths:
+      raise ValueError(
+          f"this P-EAGLE head was trained on {self.block_depths} depths; a "
+          f"block of {slots} slots drafts past them (num_draft at most "
+          f"{self.block_depths}, with PEARL at most "
+          f"{(self.block_depths + 1) // 2})")
 
   @classmethod
   def for_target(cls, target: ModelConfig, draft_vocab: int,

@@ -41,11 +41,11 @@ def heldout_accuracy(s: Setup, params, num_steps: int = 7,
   """Per-step top-1 agreement with the target on ``s.heldout_ex``.
 
   Returns ``acc`` (list of ``num_steps`` -- a Medusa head's depths for a
-  Medusa head -- over positions whose target argmax is in Vd), ``coverage`` (share of assistant positions whose target argmax
+  Medusa head, a P-EAGLE head's trained depths for one -- over positions whose target argmax is in Vd), ``coverage`` (share of assistant positions whose target argmax
   is in Vd), ``positions`` and ``expected_tau``.
   """
   ex, N = s.heldout_ex, len(s.heldout_ex)
-  num_steps = s.hcfg.medusa_heads or num_steps
+  num_steps = s.hcfg.medusa_heads or s.hcfg.block_depths or num_steps
   features = s.features()
   hits, counts = np.zeros(num_steps), np.zeros(num_steps)
   assistant = 0

@@ -264,7 +264,7 @@ def setup(cfg: TrainConfig, *, model=None,
     hcfg, params, ids = load_head(cfg.head.init_head, tcfg)
     if (hcfg.variant, cfg.head.variant) == ("eagle3", "peagle"):
       hcfg, params = block_head(hcfg, params, _mask_token(cfg, tcfg),
-                                seed_key(cfg.seed))
+                                cfg.ttt.steps, seed_key(cfg.seed))
     if hcfg.variant != cfg.head.variant:
       raise ValueError(f"init_head {cfg.head.init_head!r} is an {hcfg.variant} "
                        f"head; this run trains {cfg.head.variant}")
@@ -278,7 +278,7 @@ def setup(cfg: TrainConfig, *, model=None,
       min(vd, tcfg.vocab_size), always=tcfg.eos_ids)
   extra = (dict(medusa_heads=cfg.head.medusa_heads)
            if cfg.head.variant == "medusa" else
-           dict(mask_token=_mask_token(cfg, tcfg))
+           dict(mask_token=_mask_token(cfg, tcfg), block_depths=cfg.ttt.steps)
            if cfg.head.variant == "peagle" else {})
   hcfg = HeadConfig.for_target(tcfg, vocab.size, variant=cfg.head.variant,
                                **extra)
@@ -296,10 +296,12 @@ def _mask_token(cfg: TrainConfig, tcfg) -> int:
       tcfg.vocab_size - 1)
 
 
-def block_head(hcfg: HeadConfig, params, mask_token: int, key):
-  """An EAGLE-3 head as a P-EAGLE head to train on: its parameters as they
-  are (slot 0 is EAGLE-3's pair) and a fresh ``mask_hidden``."""
-  hcfg = dataclasses.replace(hcfg, variant="peagle", mask_token=mask_token)
+def block_head(hcfg: HeadConfig, params, mask_token: int, depths: int, key):
+  """An EAGLE-3 head as a P-EAGLE head to train on ``depths`` depths: its
+  parameters as they are (slot 0 is EAGLE-3's pair) and a fresh
+  ``mask_hidden``."""
+  hcfg = dataclasses.replace(hcfg, variant="peagle", mask_token=mask_token,
+                             block_depths=depths)
   width = len(hcfg.taps) * hcfg.target_dim
   return hcfg, dict(params, mask_hidden=0.02 * jax.random.normal(
       key, (width,), jnp.float32))
