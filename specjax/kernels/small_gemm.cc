@@ -1,11 +1,12 @@
 // y[M, N] = x[M, K] @ W on the CPU, as an XLA FFI custom call. Decode and
 // verify forwards multiply a handful of rows by weights far larger than the
 // caches, so the time is the weight read: the kernel streams each weight
-// once and keeps every row's partial sums in registers. Past kFewMany (16)
+// once and keeps every row's partial sums in registers. Past `few_many()`
 // rows — verify blocks at larger batches, prefill chunks — the FMAs bound
 // the time instead (at the cores' FMA peak SmolLM2's matmuls take as long
-// as their read at ~17 rows), and `panels_many` blocks for the FMA units:
-// rows packed once, panels outermost, each block over the whole of K.
+// as their read at ~17 rows, ~34 on Intel's AVX-512 cores with two
+// full-width FMA units), and `panels_many` blocks for the FMA units: rows
+// packed once, panels outermost, each block over the whole of K.
 //
 // W arrives pre-arranged ("packed", specjax/native.py: pack) as panels of
 // 16 output columns, [P = ceil(N / 16), K, 16], the last panel zero-padded:
@@ -51,7 +52,18 @@ constexpr int64_t kGroup = 48;   // rows sharing one output tile
 constexpr int64_t kOneRows = 6;  // most rows in a one-panel block
 constexpr int64_t kWideRows = 12;  // most rows in a two-panel block
 constexpr int64_t kFew = 8;      // up to this many rows: one-panel blocks
-constexpr int64_t kFewMany = 16;  // more rows than this: panels_many
+
+// More rows than this go to `panels_many`: 16, or 32 on Intel's AVX-512
+// cores, whose two full-width FMA units keep the few-row loop bound by the
+// read twice as far (family 6 model 207: a forward over 17 / 24 / 32 tokens
+// 36 / 40 / 45 ms with 16, 28 / 32 / 38 ms with 32). Elsewhere (Zen 4,
+// whose zmm FMA is two halves; AVX2) 16, where the kernel was tuned.
+int64_t few_many() {
+  static const int64_t rows =
+      specjax::isa() == specjax::Isa::kAvx512 && __builtin_cpu_is("intel")
+          ? 32 : 16;
+  return rows;
+}
 
 using bf16 = uint16_t;  // the top half of an f32's bits
 
@@ -332,7 +344,7 @@ void pack_rows(const float* x, int64_t ldx, int64_t K, int64_t blocks,
   }
 }
 
-// Panels [p0, p1) against many rows (a prefill chunk, M > kFewMany): every
+// Panels [p0, p1) against many rows (a prefill chunk, M > few_many()): every
 // row reuses the weights, so the time is the FMAs, and the blocking keeps
 // the FMA units fed from the caches. The rows' full blocks come packed
 // (`pack_rows`, done once for all panels: one k's values adjacent, one
@@ -391,7 +403,7 @@ ffi::Error SmallGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   using W = std::remove_cv_t<std::remove_pointer_t<decltype(wp)>>;
   const int64_t together = Blocks<W>::cpu().panels;  // a block's panels
-  if (M <= kFewMany) {
+  if (M <= few_many()) {
     const int64_t chunk =
         std::max<int64_t>(1, P / (4 * threads * together)) * together;
     const int64_t tasks = (P + chunk - 1) / chunk;
