@@ -144,10 +144,12 @@ def test_init_head_continues_from_an_exported_head(tiny_model, tmp_path):
     etrain.setup(cfg.updated({"head.variant": "eagle1"}), model=tiny_model,
                  examples=ex, progress=False)
   # A P-EAGLE run warm-starts from the EAGLE-3 head: its parameters as they
-  # are, a fresh mask_hidden, the placeholder the target's last token.
+  # are, a fresh mask_hidden, the placeholder the target's last token, the
+  # depths it trains on recorded.
   pe = etrain.setup(cfg.updated({"head.variant": "peagle"}),
                     model=tiny_model, examples=ex, progress=False)
-  assert (pe.hcfg.variant, pe.hcfg.mask_token) == ("peagle", 36)
+  assert (pe.hcfg.variant, pe.hcfg.mask_token, pe.hcfg.block_depths) == (
+      "peagle", 36, cfg.ttt.steps)
   for name in saved:
     jax.tree.map(np.testing.assert_array_equal, pe.params[name], saved[name])
   assert pe.params["mask_hidden"].shape == (3 * pe.hcfg.target_dim,)
