@@ -82,6 +82,12 @@ class EagleState:
     return self.replace(cache=self.cache.with_lengths(lengths_B))
 
 
+def behind_slots(num_draft: int) -> int:
+  """The slots of a P-EAGLE block that drafts K behind up to K - 1 unscored
+  tokens (``EagleDrafter.propose_behind``, PEARL's): 2K - 1."""
+  return 2 * num_draft - 1
+
+
 @dataclasses.dataclass(frozen=True)
 class EagleDrafter:
   """Chain drafting with an EAGLE-3 head (``cfg``). ``init`` sizes the
@@ -244,7 +250,7 @@ class EagleDrafter:
                        "behind unscored tokens")
     state, stable_B, a_BD = self._start(params, state, ctx, num_draft)
     out_BXD = self.block_outputs(params, state, stable_B, a_BD,
-                                 2 * num_draft - 1)
+                                 behind_slots(num_draft))
     at_BK = behind_B[:, None] + jnp.arange(num_draft)[None, :]
     return self._propose_block(
         params, state, stable_B,

@@ -571,10 +571,10 @@ def _head(model: "Model", spec: "_Head"):
                         f"head's {cfg.medusa_heads} depths")
     return (MedusaDrafter(cfg, spec.min_confidence, shape),
             MedusaParams(head=head, draft_ids=draft_ids))
-  from specjax.drafters.eagle import EagleDrafter, EagleParams
-  if variant == "peagle":  # PEARL's block: K past K - 1 unscored tokens
+  from specjax.drafters.eagle import EagleDrafter, EagleParams, behind_slots
+  if variant == "peagle":
     try:
-      cfg.check_block(2 * spec.num_draft - 1 if spec.pearl
+      cfg.check_block(behind_slots(spec.num_draft) if spec.pearl
                       else spec.num_draft)
     except ValueError as e:
       raise MethodError(str(e)) from None
