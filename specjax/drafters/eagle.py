@@ -310,8 +310,10 @@ class EagleDrafter:
     logp_BXV = jax.nn.log_softmax(self._call(params, "logits", out_BXD))
     # The barrier keeps XLA's CPU top-k a TopK call: fused into what uses
     # it, it became a sort of the whole vocabulary (a P-EAGLE tree's draft
-    # took 4.5x as long).
-    lp_BXC, idx_BXC = jax.lax.optimization_barrier(jax.lax.top_k(logp_BXV, c))
+    # took 4.5x as long). One barrier per output: over top-k's tuple, it
+    # crashed XLA's top-k decomposer on a vocabulary split over a mesh.
+    lp_BXC, idx_BXC = map(jax.lax.optimization_barrier,
+                          jax.lax.top_k(logp_BXV, c))
     return lp_BXC, params.draft_ids[idx_BXC].astype(jnp.int32)
 
   def _expand_block(self, params, state: EagleState, stable_B, a_BD,
