@@ -8,8 +8,9 @@ over the first 2000 training conversations, epochs over them) with the
 head's variant ``peagle``: its parameters start as the shipped EAGLE-3
 head's (slot 0 of a block is EAGLE-3's pair) and ``mask_hidden`` fresh; each
 step trains 6 depths in one packed COD sequence (``ttt.peagle_loss``: every
-position at depth 0, a random half of them at depth 1, a quarter at depth
-2, ...). Resumes from the newest checkpoint (and a partial cache).
+position at depth 0, half of them at depth 1, a quarter at depth 2, ...,
+drawn at random among those the loss counts). Resumes from the newest
+checkpoint (and a partial cache).
 """
 
 import pathlib

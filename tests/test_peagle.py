@@ -290,7 +290,8 @@ def test_cod_layout_equals_the_rule_written_entry_by_entry():
   depth d, each depth's anchors among the depth before's; entry (t, d)
   sits at position t + d and sees depth 0 up to t and its own chain's
   depths 1..d, and nothing else (brute force, entry by entry). Two keys
-  draw different anchors."""
+  draw different anchors; given priorities, each depth keeps anchors of
+  the highest first."""
   from specjax.training.ttt import cod_count, cod_layout
   B, T, D, r = 2, 10, 4, 0.5
   lay = cod_layout(jax.random.key(3), B, T, D, r)
@@ -311,6 +312,15 @@ def test_cod_layout_equals_the_rule_written_entry_by_entry():
         assert mask[b, i, j] == sees, (b, i, j)
   other = cod_layout(jax.random.key(4), B, T, D, r)
   assert not np.array_equal(np.asarray(other.anchor), anchor)
+  # With priorities, each depth's anchors are ones of the highest.
+  prio = np.random.default_rng(0).integers(0, 3, (B, T))
+  ranked = np.asarray(cod_layout(jax.random.key(3), B, T, D, r,
+                                 priority_BT=jnp.asarray(prio)).anchor)
+  for b in range(B):
+    for d in range(1, D):
+      kept = ranked[b][depth == d]
+      rest = np.setdiff1d(np.arange(T), kept)
+      assert prio[b, kept].min() >= prio[b, rest].max(), (b, d)
 
 
 def test_training_outputs_equal_drafting_on_each_chain():
@@ -358,7 +368,9 @@ def test_each_entry_is_scored_on_the_token_its_depth_drafts():
   counted where x[t + 2 + d] is an assistant token and the target's argmax
   at t + 1 + d is in the draft vocabulary: per depth, the loss and the
   accuracy equal soft CE and argmax hits summed entry by entry (brute
-  force). Scoring every depth on depth 0's token fails it."""
+  force), over anchors drawn by how many depths each is counted at
+  (counted brute force too). Scoring every depth on depth 0's token fails
+  it."""
   from specjax.heads import head_call
   from specjax.training.ttt import (TTTBatch, cod_layout, peagle_loss,
                                     peagle_outputs)
@@ -372,11 +384,14 @@ def test_each_entry_is_scored_on_the_token_its_depth_drafts():
       target_in_vocab=jnp.asarray(rng.random((B, T)) < 0.8),
       loss_mask=jnp.asarray(rng.random((B, T)) < 0.7))
   _, m = peagle_loss(dparams.head, hcfg, params.embed, batch, D, key)
-  lay = cod_layout(key, B, T, D, 0.5)
-  logits = np.asarray(head_call(hcfg, dparams.head)("logits", peagle_outputs(
-      dparams.head, hcfg, params.embed, batch, lay)))
   target, in_vocab, mask = (np.asarray(x) for x in (
       batch.target_logits, batch.target_in_vocab, batch.loss_mask))
+  counts = lambda b, t: sum(t + 2 + d < T and mask[b, t + 2 + d]
+                            and in_vocab[b, t + 1 + d] for d in range(D))
+  lay = cod_layout(key, B, T, D, 0.5, priority_BT=jnp.asarray(
+      [[counts(b, t) for t in range(T)] for b in range(B)]))
+  logits = np.asarray(head_call(hcfg, dparams.head)("logits", peagle_outputs(
+      dparams.head, hcfg, params.embed, batch, lay)))
   ce, hits, count = np.zeros(D), np.zeros(D), np.zeros(D)
   for b in range(B):
     for e, d in enumerate(np.asarray(lay.depth)):

@@ -320,13 +320,17 @@ def cod_count(T: int, ratio: float, depth: int) -> int:
   return max(1, math.ceil(T * ratio ** depth))
 
 
-def cod_layout(key, B: int, T: int, num_depths: int, ratio: float
-               ) -> CodLayout:
+def cod_layout(key, B: int, T: int, num_depths: int, ratio: float,
+               priority_BT: jax.Array | None = None) -> CodLayout:
   """COD sampling (PARD's): depth 0 keeps every position, depth d a random
   ``cod_count`` of them, each depth's anchors among the depth before's (a
   row's one random order, cut shorter at each depth), so every entry's
-  chain below it is in the sequence."""
-  order_BT = jnp.argsort(jax.random.uniform(key, (B, T)), axis=1)
+  chain below it is in the sequence. With ``priority_BT``, the order puts
+  higher priorities first (random among equals): the loss gives it the
+  depths each anchor is counted at, so the few deep entries are ones that
+  count."""
+  order_BT = jnp.argsort(jax.random.uniform(key, (B, T)) - (
+      0 if priority_BT is None else priority_BT), axis=1)
   counts = [cod_count(T, ratio, d) for d in range(1, num_depths)]
   anchor_BE = jnp.concatenate(
       [jnp.broadcast_to(jnp.arange(T), (B, T))]
@@ -338,6 +342,14 @@ def cod_layout(key, B: int, T: int, num_depths: int, ratio: float
   mask_BEE = (((d_k == 0) & (a_k <= a_q))
               | ((a_k == a_q) & (d_k >= 1) & (d_k <= d_q)))
   return CodLayout(anchor=anchor_BE, depth=depth_E, mask=mask_BEE)
+
+
+def counted_depths(p: dict, T: int, num_depths: int) -> jax.Array:
+  """``int32[B, T]``: at how many depths d < ``num_depths`` the entry
+  anchored at t counts (``_step_inputs``' weight at step d), from
+  ``_shifted``'s arrays."""
+  return sum(_step_inputs(p, d, T)[3].astype(jnp.int32)
+             for d in range(num_depths))
 
 
 def peagle_outputs(params, cfg: HeadConfig, embed_VD, batch: TTTBatch,
@@ -362,7 +374,8 @@ def peagle_loss(params, cfg: HeadConfig, embed_VD, batch: TTTBatch,
                 num_depths: int, key, ratio: float = 0.5,
                 rows: int | None = None):
   """A P-EAGLE head's loss: every depth of a COD-sampled layout
-  (``cod_layout``) in one forward, soft CE against the target over Vd,
+  (``cod_layout``, anchors counted at more depths drawn first) in one
+  forward, soft CE against the target over Vd,
   counted as ``ttt_loss``'s steps are (entry (t, d) scores x[t + 2 + d]
   under TTT step d's rule), summed over every counted entry and divided by
   their count (no per-depth decay). ``rows`` compacts depth 0's LM head as
@@ -370,8 +383,9 @@ def peagle_loss(params, cfg: HeadConfig, embed_VD, batch: TTTBatch,
   one entry per depth."""
   call = head_call(cfg, params)
   B, T = batch.tokens.shape
-  lay = cod_layout(key, B, T, num_depths, ratio)
   p = _shifted(batch, num_depths)
+  lay = cod_layout(key, B, T, num_depths, ratio,
+                   priority_BT=counted_depths(p, T, num_depths))
   step_BE = lay.anchor + lay.depth[None]  # entry (t, d) is TTT step d at t
   at = lambda a, off: jnp.take_along_axis(
       a, (step_BE + off).reshape(step_BE.shape + (1,) * (a.ndim - 2)),
