@@ -2,7 +2,7 @@
 an f32 copy of the same GGUF, one chat prompt, interleaved repeats.
 
   .venv/bin/python -m benchmarks.ar_step_llama   # needs the peers extra
-  .venv/bin/python -m benchmarks.ar_step_llama --dataset longdoc  # its first task
+  .venv/bin/python -m benchmarks.ar_step_llama --dataset longdoc  # 1st task
 
 Each engine (``bench_peers``' AR calls) generates 1 and 129 tokens greedily
 from the same token ids; step = (t(129) - t(1)) / 128, prefill ~ t(1). The
@@ -26,7 +26,8 @@ PROMPT = ("Write a long, detailed essay about the history of the printing "
 
 def main():
   ap = argparse.ArgumentParser()
-  ap.add_argument("--dataset", choices=("essay",) + data.DATASETS, default="essay",
+  ap.add_argument("--dataset", choices=("essay",) + data.DATASETS,
+                  default="essay",
                   help="the prompt: the essay above, or a set's first")
   args = ap.parse_args()
   from benchmarks import bench_peers
@@ -35,8 +36,8 @@ def main():
   from specjax.measure import bench
   from specjax.models.registry import load_model
   model = load_model("smollm2-135m")
-  ids = model.tokenizer.encode_chat(
-      PROMPT if args.dataset == "essay" else data.load_prompts(args.dataset, 1)[0])
+  ids = model.tokenizer.encode_chat(PROMPT if args.dataset == "essay" else
+                                   data.load_prompts(args.dataset, 1)[0])
   f32 = bench_peers.dequantized_copy(
       assets.smollm2_gguf(), pathlib.Path.home() / ".cache" / "specjax" / "peers")
   # No EOS: every call runs its whole budget (checked below).

@@ -375,12 +375,11 @@ def peagle_loss(params, cfg: HeadConfig, embed_VD, batch: TTTBatch,
                 rows: int | None = None):
   """A P-EAGLE head's loss: every depth of a COD-sampled layout
   (``cod_layout``, anchors counted at more depths drawn first) in one
-  forward, soft CE against the target over Vd,
-  counted as ``ttt_loss``'s steps are (entry (t, d) scores x[t + 2 + d]
-  under TTT step d's rule), summed over every counted entry and divided by
-  their count (no per-depth decay). ``rows`` compacts depth 0's LM head as
-  in ``ttt_loss``. Returns ``(loss, metrics)`` shaped as ``ttt_loss``'s,
-  one entry per depth."""
+  forward, soft CE against the target over Vd, counted as ``ttt_loss``'s
+  steps are (entry (t, d) scores x[t + 2 + d] under TTT step d's rule),
+  summed over every counted entry and divided by their count (no per-depth
+  decay). ``rows`` compacts depth 0's LM head as in ``ttt_loss``. Returns
+  ``(loss, metrics)`` shaped as ``ttt_loss``'s, one entry per depth."""
   call = head_call(cfg, params)
   B, T = batch.tokens.shape
   p = _shifted(batch, num_depths)
