@@ -344,11 +344,20 @@ def cod_layout(key, B: int, T: int, num_depths: int, ratio: float,
   return CodLayout(anchor=anchor_BE, depth=depth_E, mask=mask_BEE)
 
 
+def _counted(p: dict, step_BN) -> jax.Array:
+  """``bool[B, N]``: whether TTT step d at anchor t (``step_BN`` = t + d,
+  into ``_shifted``'s arrays) counts: x[t + 2 + d] an assistant token and
+  the target's argmax at t + 1 + d in the draft vocabulary."""
+  at = lambda a, off: jnp.take_along_axis(a, step_BN + off, axis=1)
+  return at(p["loss_mask"], 2) & at(p["in_vocab"], 1)
+
+
 def counted_depths(p: dict, T: int, num_depths: int) -> jax.Array:
   """``int32[B, T]``: at how many depths d < ``num_depths`` the entry
-  anchored at t counts (``_step_inputs``' weight at step d), from
-  ``_shifted``'s arrays."""
-  return sum(_step_inputs(p, d, T)[3].astype(jnp.int32)
+  anchored at t counts (``_counted``)."""
+  B = p["loss_mask"].shape[0]
+  t_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
+  return sum(_counted(p, t_BT + d).astype(jnp.int32)
              for d in range(num_depths))
 
 
@@ -389,13 +398,13 @@ def peagle_loss(params, cfg: HeadConfig, embed_VD, batch: TTTBatch,
   at = lambda a, off: jnp.take_along_axis(
       a, (step_BE + off).reshape(step_BE.shape + (1,) * (a.ndim - 2)),
       axis=1)
+  w_BE = _counted(p, step_BE)
   x_BED = call("normed", peagle_outputs(params, cfg, embed_VD, batch, lay))
   sizes = [T] + [cod_count(T, ratio, d) for d in range(1, num_depths)]
   stats, start = [], 0
   for n in sizes:
     sl = lambda a: jax.lax.slice_in_dim(a, start, start + n, axis=1)
-    w_M = (sl(at(p["loss_mask"], 2)) & sl(at(p["in_vocab"], 1))
-           ).astype(jnp.float32).reshape(-1)
+    w_M = sl(w_BE).astype(jnp.float32).reshape(-1)
     x_MD = sl(x_BED).reshape(B * n, -1)
     probs_MV = sl(at(p["probs"], 1)).reshape(B * n, -1)
     arg_M = sl(at(p["argmax"], 1)).reshape(-1)
