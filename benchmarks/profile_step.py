@@ -40,9 +40,10 @@ def pieces(model, dcfg, dparams, state):
   res, path, logprobs, _ = verify(state, draft, fo.logits, live_B, sampler,
                                   key)
   out["verify"] = (verify, (state, draft, fo.logits, live_B, sampler, key))
-  write = jax.jit(lambda c, kv, p: c.write(engine._on_path(kv, p),
-                                           c.new_slots(dcfg.k + 1)))
-  out["write_cache"] = (write, (state.cache, fo.new_kv, path))
+  if fo.new_kv is not None:  # AR's forward wrote its entry itself
+    write = jax.jit(lambda c, kv, p: c.write(engine._on_path(kv, p),
+                                             c.new_slots(dcfg.k + 1)))
+    out["write_cache"] = (write, (state.cache, fo.new_kv, path))
   emit = jax.jit(lambda s, t, n, l, lp: engine._emit(s, t, n, l, dcfg, lp))
   out["emit"] = (emit, (state, res.tokens, res.num_emitted, live_B,
                         logprobs))

@@ -94,7 +94,10 @@ class DecodeConfig:
     prefill_chunk: a prompt longer than this is scored in chunks of this
       many tokens (``prefill``), so the prefill's attention scores are
       ``[B, N, chunk, S]``, never ``[B, N, Tp, S]``: memory linear in the
-      prompt.
+      prompt. Chunks past every row's prompt are skipped, so the chunk also
+      bounds the bucket padding that is computed (128: at most 127 pad
+      tokens; chunks of 128 cost no more per token than chunks of 512 on
+      the CPU, docs/RESULTS.md "Long prompts").
     allowed_tokens: a hook (``sampling.AllowedTokens``, hashable: a
       function) saying which tokens each row may generate next from its
       context; applied to the target and to sampled drafts at every
@@ -114,7 +117,7 @@ class DecodeConfig:
   num_draft: int = 0
   tree_nodes: int = 0
   mesh: Optional[jax.sharding.Mesh] = None
-  prefill_chunk: int = 512
+  prefill_chunk: int = 128
   allowed_tokens: Optional[AllowedTokens] = None
   pearl: bool = False
 
@@ -326,20 +329,26 @@ def _features(out: ForwardOutput):
 
 
 def _verify_forward(params, target: Target, block_BT, cache, taps, width: int,
-                    positions_BT=None, mask_BTT=None) -> ForwardOutput:
+                    positions_BT=None, mask_BTT=None,
+                    write: bool = False) -> ForwardOutput:
   """The target forward over the first ``width`` tokens of the block (at
-  ``positions``, under ``mask``: a tree's; default a chain's), leaving the
-  cache untouched: its logits, taps and new entries zero-padded back to the
-  block's width (fixed shapes for ``lax.cond``; verification never reads
-  past a row's drafts). The caller writes the entries it keeps
-  (``KVCache.write``): inside the ``lax.cond`` the cache is only read, so
-  XLA never copies it."""
+  ``positions``, under ``mask``: a tree's; default a chain's): its logits,
+  taps and new entries zero-padded back to the block's width (fixed shapes
+  for ``lax.cond``; verification never reads past a row's drafts). The
+  caller writes the entries it keeps (``KVCache.write``): inside the
+  ``lax.cond`` the cache is only read, and the write after it depends on
+  its outputs, so XLA never copies the cache.
+
+  With ``write`` (AR's one token, scored with no ``lax.cond``) each
+  layer writes its entry before it attends: written after the forward,
+  nothing would order the write after the layer's read, and XLA would copy
+  every layer's keys and values, all S slots, every step."""
   if positions_BT is not None:
     positions_BT, mask_BTT = positions_BT[:, :width], mask_BTT[:, :width,
                                                                :width]
   out = target.forward(params, block_BT[:, :width], cache, taps=taps,
                        positions_BT=positions_BT, mask_BTT=mask_BTT,
-                       write_cache=False)
+                       write_cache=write)
   extra = block_BT.shape[1] - width
   if not extra:
     return out
@@ -530,7 +539,7 @@ def _score_prompt(params, target: Target, prompt_BT, lengths_B, cache, taps,
   through the forward one chunk at a time (a ``lax.scan``): chunk c is
   written after the prompt's first c * chunk tokens, the same positions
   and visibility as one forward, so only the order of float sums
-  differs."""
+  differs. A chunk past every row's prompt (bucket padding) is skipped."""
   B, Tp = prompt_BT.shape
   if Tp <= chunk:
     return target.forward(params, prompt_BT, cache, taps=taps,
@@ -540,10 +549,7 @@ def _score_prompt(params, target: Target, prompt_BT, lengths_B, cache, taps,
   by_chunk = padded.reshape(B, num, chunk).transpose(1, 0, 2)  # [num, B, chunk]
   last_B = lengths_B - 1
 
-  def body(carry, xs):
-    cache, logits_B1V = carry
-    c, tokens_BT = xs
-    start = c * chunk
+  def run(cache, logits_B1V, start, tokens_BT):
     out = target.forward(
         params, tokens_BT, cache.with_lengths(jnp.full((B,), start, jnp.int32)),
         taps=taps, logit_positions_BP=jnp.clip(last_B - start, 0,
@@ -551,6 +557,17 @@ def _score_prompt(params, target: Target, prompt_BT, lengths_B, cache, taps,
     here_B = (last_B >= start) & (last_B < start + chunk)
     logits_B1V = jnp.where(here_B[:, None, None], out.logits, logits_B1V)
     return (out.cache, logits_B1V), jnp.asarray(out.taps) if taps else None
+
+  def skip(cache, logits_B1V, start, tokens_BT):
+    taps_shape = jax.eval_shape(run, cache, logits_B1V, start, tokens_BT)[1]
+    return (cache, logits_B1V), jax.tree.map(
+        lambda s: jnp.zeros(s.shape, s.dtype), taps_shape)
+
+  def body(carry, xs):
+    c, tokens_BT = xs
+    start = c * chunk
+    return jax.lax.cond(start <= jnp.max(last_B), run, skip,
+                        *carry, start, tokens_BT)
 
   V = target.config.vocab_size
   (cache, logits), taps_by_chunk = jax.lax.scan(
@@ -650,7 +667,7 @@ def _score(params, cache: KVCache, draft: _Draft, live_B: jax.Array, *,
     return verify(block_BT.shape[1]), jnp.any(live_B)
   wide = jnp.any((draft.num_drafted > 0) & live_B)
   if not dcfg.k:
-    return verify(1), wide
+    return verify(1, write=True), wide
   return jax.lax.cond(wide, lambda: verify(dcfg.block),
                       lambda: verify(1)), wide
 
@@ -836,8 +853,8 @@ def step(params, state: DecodeState, *,
                                         _on_path(_features(out), path_BK1))
   state = state.replace(num_tokens=ctx.num_tokens,
                         drafter_state=drafter_state, key=key)
-  cache = state.cache.write(_on_path(out.new_kv, path_BK1),
-                            state.cache.new_slots(dcfg.k + 1))
+  cache = out.cache if out.new_kv is None else state.cache.write(
+      _on_path(out.new_kv, path_BK1), state.cache.new_slots(dcfg.k + 1))
   state = _tally(state, cache, live_B, wide, draft.num_drafted,
                  res.num_accepted, dcfg.k, path_BK1)
   return _laid_out(_update_stops(state, hit_eos_B, dcfg, nonfinite_B,

@@ -170,7 +170,8 @@ def _check_ids(prompts, vocab_size: int) -> list[list[int]]:
 
 
 def decode_bytes(model: Model, batch: int, capacity: int, prompt_bucket: int,
-                 block: int = 1, chunk: int = 512) -> int:
+                 block: int = 1,
+                 chunk: int = engine.DecodeConfig.prefill_chunk) -> int:
   """What decoding ``batch`` rows in ``capacity`` slots allocates besides
   the weights: the KV cache and token buffer, the prefill's attention
   scores (one chunk of the prompt against every slot), and a step's
