@@ -62,3 +62,11 @@ def timed(fn, *args):
 
 def median(xs):
   return statistics.median(xs)
+
+
+def text_ids(tokenizer, n: int) -> list[int]:
+  """``n`` token ids of real text: the ``longdoc`` set's first prompt as a
+  chat, repeated as often as it takes."""
+  from specjax import data
+  ids = tokenizer.encode_chat(data.load_prompts("longdoc", 1)[0])
+  return (ids * -(-n // len(ids)))[:n]

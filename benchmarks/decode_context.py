@@ -31,18 +31,17 @@ def main(argv=None):
   args = ap.parse_args(argv)
   import jax
   import numpy as np
-  from benchmarks.common import machine
-  from specjax import data
+  from benchmarks.common import machine, text_ids
   from specjax.core import engine
+  from specjax.measure.bench import git_sha
   from specjax.models.registry import load_model
   model = load_model("smollm2-135m")
-  text_ids = model.tokenizer.encode_chat(data.load_prompts("longdoc", 1)[0])
   lengths = [int(x) for x in args.lengths.split(",")]
   caps = [int(x) for x in args.capacities.split(",")]
   pairs = [(n, s) for n in lengths for s in caps if n + N + 1 <= s]
 
   def run(n, s, new):
-    ids = (text_ids * (-(-n // len(text_ids))))[:n]
+    ids = text_ids(model.tokenizer, n)
     padded = -(-n // 64) * 64
     prompt = np.zeros((1, padded), np.int32)
     prompt[0, :n] = ids
@@ -69,7 +68,8 @@ def main(argv=None):
                       "prefill_ms": round(1e3 * one, 1),
                       "step_ms": round(1e3 * (many - one) / (N - 1), 2)}),
           flush=True)
-  print(json.dumps({"machine": machine(), "repeats": args.repeats}))
+  print(json.dumps({"machine": machine(), "git_sha": git_sha(),
+                    "repeats": args.repeats}))
 
 
 if __name__ == "__main__":

@@ -28,18 +28,16 @@ def main(argv=None):
   args = ap.parse_args(argv)
   import jax
   import numpy as np
-  from benchmarks.common import machine
-  from specjax import data
+  from benchmarks.common import machine, text_ids
   from specjax.core import bucketing, engine
   from specjax.measure.bench import git_sha
   from specjax.models.registry import load_model
   model = load_model("smollm2-135m")
-  text_ids = model.tokenizer.encode_chat(data.load_prompts("longdoc", 1)[0])
   lengths = [int(x) for x in args.lengths.split(",")]
   chunks = [int(x) for x in args.chunks.split(",")]
 
   def run(n, chunk):
-    ids = (text_ids * (-(-n // len(text_ids))))[:n]
+    ids = text_ids(model.tokenizer, n)
     prompt, lens = bucketing.pad_prompts([ids])
     dcfg = engine.DecodeConfig(
         capacity=bucketing.capacity_for(prompt.shape[1], 96, extra=1),

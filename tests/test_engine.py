@@ -751,3 +751,43 @@ def test_a_long_prompt_prefills_in_bounded_memory():
   out = json.loads(run.stdout.splitlines()[-1])
   assert out["stop"] in ("length", "eos") and out["new_tokens"] >= 1, out
   assert out["peak_rss_gib"] - out["after_load_gib"] < 1.5, out
+
+
+def _cache_copies_in_loop(params, cfg, dcfg) -> int:
+  """Copies of a whole cache-layer buffer (``[1, G, H, S]`` or
+  ``[1, G, S, H]``) in the compiled decode loop's body."""
+  import re
+  txt = engine.generate_jit.lower(
+      params, np.zeros((1, 8), np.int32), np.array([5], np.int32),
+      jax.random.key(0), np.int32(4), target=Decoder(cfg),
+      dcfg=dcfg).compile().as_text()
+  G, H, S = cfg.num_kv_heads, cfg.head_dim, dcfg.capacity
+  shape = re.compile(rf"f32\[1,{G},({H},{S}|{S},{H})\]\S* copy\(")
+  bodies = set(re.findall(r"body=%?([\w.\-]+)", txt))
+  copies, name = 0, None
+  for line in txt.splitlines():
+    head = re.match(r"^%?([\w.\-]+) .*\{$", line)
+    if head:
+      name = head.group(1)
+    elif name in bodies and shape.search(line):
+      copies += 1
+  return copies
+
+
+def test_decode_loop_never_copies_the_cache(tiny):
+  """Invariant on the native path (packed weights, the CPU attention
+  kernel): a decode step updates the carried KV cache in place. AR's
+  forward writes each layer's entry before it attends; a write after the
+  forward, ordered after nothing, made XLA copy every layer's buffers
+  (all S slots) twice a step. The n-gram chain writes after its
+  ``lax.cond``, which orders the write after every read."""
+  from specjax.kernels import native
+  if not native.available():
+    pytest.skip("the native library is not built")
+  cfg, params = tiny
+  params = decoder.pack_params(params)
+  ar = engine.DecodeConfig(capacity=96)
+  chain = engine.DecodeConfig(capacity=96, drafter=NGramDrafter(),
+                              num_draft=3)
+  assert _cache_copies_in_loop(params, cfg, ar) == 0
+  assert _cache_copies_in_loop(params, cfg, chain) == 0
