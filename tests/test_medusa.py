@@ -143,7 +143,8 @@ def test_medusa_greedy_identity_and_trained_acceptance(tmp_path):
   early); (2) ``medusa_loss`` overfit on the target's own greedy text
   raises each depth's accuracy by > 0.15, to > 0.85; (3) the overfit head then gets
   most drafts accepted, still equal to AR (the hidden state the drafter
-  reads is the one training paired with the depth-k token)."""
+  reads is the one training paired with the depth-k token; one that reads
+  it a position early falls below the bounds, checked)."""
   from specjax.training.train import init_head
   tcfg, tparams = _tiny(tmp_path)
   cfg = dataclasses.replace(CFG, draft_vocab=37)
@@ -168,12 +169,32 @@ def test_medusa_greedy_identity_and_trained_acceptance(tmp_path):
   assert (np.asarray(m["acc"]) > np.maximum(np.asarray(m0["acc"]) + 0.15,
                                             0.85)).all(), (m0["acc"],
                                                            m["acc"])
-  for dcfg in (chain, static):
+  # Bounds per setting, between the correct drafter (chain 0.80 / 0.67 of
+  # ~30 forwards, tree 0.96 / 0.77 of ~26, depth 0 / 2) and one reading the
+  # hidden state a position early (chain 0.28 / 0.19, tree 0.73 / 0.52).
+  bounds = {chain: (0.6, 0.5), static: (0.85, 0.6)}
+
+  def accepted(dcfg):
     out, st = run(dcfg, head)
     assert out == ar
     acc = (np.asarray(st.accepted_at).sum(0)
            / np.asarray(st.num_forwards).sum())
-    assert acc[0] > 0.8 and acc[2] > 0.5, acc
+    return acc[0] > bounds[dcfg][0] and acc[2] > bounds[dcfg][1], acc
+
+  for dcfg in (chain, static):
+    ok, acc = accepted(dcfg)
+    assert ok, acc
+  logits = MedusaDrafter._logits  # mutation: the hidden state a position early
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(MedusaDrafter, "_logits", lambda self, p, s, *a: logits(
+        self, p, s.replace(start=s.start + 1), *a))
+    jax.clear_caches()
+    try:
+      for dcfg in (chain, static):
+        ok, acc = accepted(dcfg)
+        assert not ok, acc
+    finally:
+      jax.clear_caches()
 
 
 @pytest.mark.long
