@@ -10,7 +10,8 @@ row of n token ids (the ``longdoc`` set's first prompt, repeated) runs
 and once for 129: step = (t(129) - t(1)) / 128, prefill ~ t(1). The prompt
 is padded to its own length rounded up to 64 (not the runner's bucket), so
 only S and n move. Rounds interleave every (n, S) pair; medians. One JSON
-line per pair, then the machine.
+line per pair, then the machine. ``--xla``: the plain weights and XLA's own
+attention (``load_model(native=False)``, the path of GPUs and TPUs).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def main(argv=None):
   ap.add_argument("--lengths", default="64,640,1216")
   ap.add_argument("--capacities", default="1408,2048")
   ap.add_argument("--repeats", type=int, default=5)
+  ap.add_argument("--xla", action="store_true",
+                  help="plain weights, XLA's attention (no native kernels)")
   args = ap.parse_args(argv)
   import jax
   import numpy as np
@@ -35,7 +38,7 @@ def main(argv=None):
   from specjax.core import engine
   from specjax.measure.bench import git_sha
   from specjax.models.registry import load_model
-  model = load_model("smollm2-135m")
+  model = load_model("smollm2-135m", native=False if args.xla else None)
   lengths = [int(x) for x in args.lengths.split(",")]
   caps = [int(x) for x in args.capacities.split(",")]
   pairs = [(n, s) for n in lengths for s in caps if n + N + 1 <= s]
@@ -64,7 +67,7 @@ def main(argv=None):
         times[p, new].append(run(*p, new))
   for n, s in pairs:
     one, many = (statistics.median(times[(n, s), new]) for new in (1, N))
-    print(json.dumps({"prompt_tokens": n, "capacity": s,
+    print(json.dumps({"prompt_tokens": n, "capacity": s, "xla": args.xla,
                       "prefill_ms": round(1e3 * one, 1),
                       "step_ms": round(1e3 * (many - one) / (N - 1), 2)}),
           flush=True)

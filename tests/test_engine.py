@@ -774,18 +774,24 @@ def _cache_copies_in_loop(params, cfg, dcfg) -> int:
   return copies
 
 
-def test_decode_loop_never_copies_the_cache(tiny):
-  """Invariant on the native path (packed weights, the CPU attention
-  kernel): a decode step updates the carried KV cache in place. AR's
-  forward writes each layer's entry before it attends; a write after the
-  forward, ordered after nothing, made XLA copy every layer's buffers
-  (all S slots) twice a step. The n-gram chain writes after its
-  ``lax.cond``, which orders the write after every read."""
+@pytest.mark.parametrize("path", ["native", "xla"])
+def test_decode_loop_never_copies_the_cache(tiny, path):
+  """Invariant on both attention paths (packed weights and the CPU kernel;
+  plain weights and XLA's attention, as on GPUs), batch 1: a decode step
+  updates the carried KV cache in place. AR's forward writes each layer's
+  entry before it attends; a write after the forward, ordered after
+  nothing, made XLA copy every layer's buffers (all S slots) twice a step.
+  On XLA's path the attention reads the written keys through a select;
+  read straight into the score's dot, the key scatter was fused twice and
+  each layer's key buffer copied four times a step. The n-gram chain
+  writes after its ``lax.cond``, which orders the write after every
+  read."""
   from specjax.kernels import native
-  if not native.available():
-    pytest.skip("the native library is not built")
   cfg, params = tiny
-  params = decoder.pack_params(params)
+  if path == "native":
+    if not native.available():
+      pytest.skip("the native library is not built")
+    params = decoder.pack_params(params)
   ar = engine.DecodeConfig(capacity=96)
   chain = engine.DecodeConfig(capacity=96, drafter=NGramDrafter(),
                               num_draft=3)

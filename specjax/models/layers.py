@@ -244,6 +244,10 @@ def attention(q_BTNH, kc_BGHS, vc_BGSH, mask_BQS, new=None, *,
   Masked scores are replaced (not added to) and values no row sees are
   zeroed, so whatever a stale slot holds (NaN, inf) never reaches the
   output; a non-finite new value reaches exactly the queries that see it.
+  Keys no row sees are zeroed too: a forward that wrote the cache first
+  then reads it through a select, which at batch 1 kept XLA on CPU from
+  fusing the key scatter twice (into the score's dot and into the loop's
+  carry) and copying each layer's key buffer four times a step.
   """
   B, T, N, H = q_BTNH.shape
   G, S = kc_BGHS.shape[1], kc_BGHS.shape[-1]
@@ -251,6 +255,8 @@ def attention(q_BTNH, kc_BGHS, vc_BGSH, mask_BQS, new=None, *,
   scale = H ** -0.5 if scale is None else scale
   q_BGQH = (q_BTNH.reshape(B, T, G, R, H) * scale).transpose(
       0, 2, 1, 3, 4).reshape(B, G, T * R, H)
+  seen_BS = jnp.any(mask_BQS, axis=1)
+  kc_BGHS = jnp.where(seen_BS[:, None, None, :], kc_BGHS, 0)
   s_BGQS = softcap(jnp.einsum("bgqh,bghs->bgqs", q_BGQH, kc_BGHS,
                               preferred_element_type=jnp.float32), logit_cap)
   scores = [jnp.where(mask_BQS[:, None], s_BGQS, NEG_INF)]
@@ -260,7 +266,6 @@ def attention(q_BTNH, kc_BGHS, vc_BGSH, mask_BQS, new=None, *,
                                 preferred_element_type=jnp.float32), logit_cap)
     scores.append(jnp.where(mask_BQT[:, None], s_BGQT, NEG_INF))
   p_BGQX = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
-  seen_BS = jnp.any(mask_BQS, axis=1)
   v_BGSH = jnp.where(seen_BS[:, None, :, None], vc_BGSH, 0)
   p_BGQS = p_BGQX[..., :S].astype(v_BGSH.dtype)
   out_BGQH = jnp.einsum("bgqs,bgsh->bgqh", p_BGQS, v_BGSH)
