@@ -421,15 +421,16 @@ def test_stream_prints_what_generate_prints(capsys, tmp_path):
 
 
 @pytest.mark.long
-def test_the_seed_decides_a_sampled_run_across_processes():
+def test_the_seed_decides_a_sampled_run_across_processes(capsys):
   """Invariant: ``specjax generate`` at T = 0.8, top-p 0.9 with n-gram
-  drafts prints the same tokens in two processes given ``--seed 1`` and
-  other tokens given ``--seed 2`` (nothing in a run depends on the process:
-  no time-, pid- or hash-seeded state)."""
+  drafts prints the same tokens in a fresh process and in this one given
+  ``--seed 1``, and other tokens given ``--seed 2`` (nothing in a run
+  depends on the process: no time-, pid- or hash-seeded state)."""
   args = ("generate", "--prompt", "Name three colors and a fruit.",
           "--max-new-tokens", "24", "--temperature", "0.8", "--top-p", "0.9",
           "--method", "ngram", "--json")
-  runs = [_cli(*args, "--seed", seed) for seed in ("1", "1", "2")]
+  runs = [_cli(*args, "--seed", "1"),
+          *(_main(capsys, *args, "--seed", seed) for seed in ("1", "2"))]
   for run in runs:
     assert run.returncode == 0, run.stderr
   ids = [json.loads(run.stdout.splitlines()[0])["output_ids"] for run in runs]
