@@ -101,6 +101,9 @@ def _cpu_flags() -> set:
     return set(next(l for l in f if l.startswith("flags")).split())
 
 
+ISAS = ("generic", "avx2", "avx512")  # the kernels' variants, narrowest first
+
+
 def test_isa_is_the_widest_the_cpu_has_unless_capped():
   """Invariant: the kernels run the widest variant the CPU has (AVX-512,
   else AVX2 + FMA, else plain C++), or the cap SPECJAX_NATIVE_ISA names."""
@@ -108,16 +111,14 @@ def test_isa_is_the_widest_the_cpu_has_unless_capped():
   flags = _cpu_flags()
   widest = ("avx512" if {"avx512f", "avx2", "fma"} <= flags else
             "avx2" if {"avx2", "fma"} <= flags else "generic")
-  order = ("generic", "avx2", "avx512")
   cap = os.environ.get("SPECJAX_NATIVE_ISA", "avx512")
-  assert native.isa() == order[min(order.index(widest), order.index(cap))]
+  assert native.isa() == ISAS[min(ISAS.index(widest), ISAS.index(cap))]
 
 
 # The variants narrower than the one this process runs (the tests above):
 # AVX2 and plain C++ on an AVX-512 CPU, plain C++ on an AVX2 one.
-_ISAS = ("generic", "avx2", "avx512")
-NARROWER = (list(_ISAS[:_ISAS.index(native.isa())][::-1])
-            if native.isa() in _ISAS else ["avx2", "generic"])
+NARROWER = (list(ISAS[:ISAS.index(native.isa())][::-1])
+            if native.isa() in ISAS else ["avx2", "generic"])
 
 
 @pytest.mark.long  # ~40 s a cap: a second pytest process (CI's second stage)
