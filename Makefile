@@ -27,10 +27,14 @@ REFS   := gemma==2.0.8 sentencepiece==0.2.3
 LLAMACPP_VERSION := 0.3.36
 CONVERTER := $(VENV)/llama.cpp/convert_hf_to_gguf.py
 
-# llama.cpp itself (llama-cpp-python compiles it: ~6 min on 2 cores), for the
+# llama.cpp itself (llama-cpp-python compiles it: ~7 min on 2 cores), for the
 # long stage only: its tests compare specjax with it and require it. Only the
 # shared libraries are built (no tests, examples, tools, server or llava).
+# The wheel is built apart from .venv, by a venv of its own, so that CI can
+# compile it at the lowest priority while the first stage runs (.ci/run);
+# .venv/.llamacpp installs it.
 LLAMACPP := $(VENV)/.llamacpp
+LLAMACPP_WHEEL := build/llamacpp/.built
 LLAMACPP_CMAKE := -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF \
   -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF
 # It builds for the host (-march=native) but without Intel AMX: a VM can
@@ -70,7 +74,9 @@ NATIVE := specjax/kernels/_native.so
 KERNELS := specjax/kernels/small_gemm.cc specjax/kernels/attention.cc \
            specjax/kernels/common.h setup.py
 
-.PHONY: demo test test-long install
+.PHONY: demo test test-long install llamacpp-wheel
+
+llamacpp-wheel: $(LLAMACPP_WHEEL)
 
 install: $(STAMP) $(NATIVE) $(CONVERTER)
 
@@ -88,12 +94,19 @@ $(CONVERTER): $(STAMP) tests/fetch_converter.py
 	$(BIN)/python tests/fetch_converter.py $(LLAMACPP_VERSION) $(VENV)/llama.cpp
 	touch $@
 
-$(LLAMACPP): $(STAMP)
-	$(BIN)/pip uninstall -q -y llama-cpp-python 2>/dev/null || true
+$(LLAMACPP_WHEEL): Makefile
+	rm -rf $(@D)
+	$(PYTHON) -m venv $(@D)/venv
 	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) CMAKE_ARGS="$(LLAMACPP_CMAKE)" \
 	  CFLAGS="$(LLAMACPP_FLAGS)" CXXFLAGS="$(LLAMACPP_FLAGS)" \
-	  $(BIN)/pip install -q --no-cache-dir --no-binary llama-cpp-python \
-	  llama-cpp-python==$(LLAMACPP_VERSION)
+	  $(@D)/venv/bin/pip wheel -q --no-deps --no-cache-dir -w $(@D) \
+	  --no-binary llama-cpp-python llama-cpp-python==$(LLAMACPP_VERSION)
+	rm -rf $(@D)/venv
+	touch $@
+
+$(LLAMACPP): $(STAMP) $(LLAMACPP_WHEEL)
+	$(BIN)/pip uninstall -q -y llama-cpp-python 2>/dev/null || true
+	$(BIN)/pip install -q $(dir $(LLAMACPP_WHEEL))llama_cpp_python-*.whl
 	touch $@
 
 $(TUNIX): $(STAMP)

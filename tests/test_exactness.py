@@ -44,6 +44,7 @@ from specjax.core import engine
 from specjax.core.sampling import RowSampling, SamplingParams
 from specjax.models.decoder import Decoder
 from specjax.models.hf_loader import load_hf
+from tests.run_bound import generate_o1
 from tests.tiny_hf import make_tiny
 
 N = 50_000
@@ -135,14 +136,6 @@ def target(tmp_path_factory):
     logits = model(torch.as_tensor(seqs)).logits[:, L - 1:].numpy()
   logits = logits.reshape(V, V, V, 4, V)
   return cfg, params, _joint_law(logits, SAMPLING), logits
-
-
-# With 50,000 rows these programs are bound by running, not compiling: at
-# XLA's -O1 they run ~2.4x as fast as at the suite's -O0 (tests/conftest.py)
-# and compile about as fast (a cold check of the EAGLE-3 chain: 20 s -> 16 s),
-# with the same draws.
-generate_o1 = jax.jit(engine.generate, static_argnames=("target", "dcfg"),
-                      compiler_options={"xla_backend_optimization_level": 1})
 
 
 def generate(target, drafter=None, drafter_params=None, seed=0,
@@ -403,50 +396,52 @@ def options_law(target):
   return _joint_law(target[3], OPTIONS)
 
 
-def _options_check(target, name, sampling, expected, per_row):
+def _options_check(target, name, sampling, expected, program=None, seed=0):
   """``_check`` with ``sampling`` given as the program's constants, or
-  (``per_row``) as each row's values in its canonical program."""
+  (``program``) as each row's values in that program."""
   drafter, dparams, kw = fast_drafters(target)[name]
-  if per_row:
-    kw = dict(kw, rows=RowSampling.build(sampling.program(), [sampling] * N))
-    sampling = sampling.program()
-  return _check(target, drafter, dparams, kw, sampling, expected)
+  if program is not None:
+    kw = dict(kw, rows=RowSampling.build(program, [sampling] * N))
+    sampling = program
+  return _check(target, drafter, dparams, dict(kw, seed=seed), sampling,
+                expected)
 
 
-@pytest.mark.parametrize("name,per_row", [
-    (OPTION_DRAFTERS[0], False),
-    pytest.param(OPTION_DRAFTERS[1], True, marks=pytest.mark.long)])
-def test_sampling_options_are_exact_under_speculation(target, options_law,
-                                                      name, per_row):
-  """Invariant: with the penalties (along each drafted prefix and tree
-  path), a logit bias and min-p, a sampled chain and a tree sample the
-  joint law transformers' processors give (module doc), the values as
-  constants of the program or as each row's data."""
-  _options_check(target, name, OPTIONS, options_law, per_row)
+def test_sampling_options_are_exact_under_speculation(target, options_law):
+  """Invariant: with the penalties (along each drafted prefix), a logit
+  bias and min-p as constants of the program, a sampled chain samples the
+  joint law transformers' processors give (module doc)."""
+  _options_check(target, OPTION_DRAFTERS[0], OPTIONS, options_law)
 
 
 @pytest.mark.long
-@pytest.mark.parametrize("name,per_row", [(OPTION_DRAFTERS[0], True),
-                                          (OPTION_DRAFTERS[1], False),
-                                          ("ar", False)])
-def test_sampling_options_other_forms(target, options_law, name, per_row):
-  """Invariant: as the fast test, the other form of each drafter, and AR
-  (the reference agrees with the sampler)."""
+@pytest.mark.parametrize("name", [OPTION_DRAFTERS[1], "ar"])
+def test_sampling_options_other_forms(target, options_law, name):
+  """Invariant: as the fast test, with a tree (the penalties along each
+  tree path), and AR (the reference agrees with the sampler)."""
   if name == "ar":
     cells, _ = generate(target, sampling=OPTIONS)
     stat, crit = chi_square(cells, options_law)
     assert stat < crit, (stat, crit)
   else:
-    _options_check(target, name, OPTIONS, options_law, per_row)
+    _options_check(target, name, OPTIONS, options_law)
 
 
 @pytest.mark.long
 @pytest.mark.parametrize("name", OPTION_DRAFTERS)
-@pytest.mark.parametrize("option", sorted(ONE_OPTION))
-def test_each_sampling_option_is_exact(target, option, name):
-  """Invariant: each option alone, with a sampled chain and a tree."""
-  sp = dataclasses.replace(SAMPLING, **ONE_OPTION[option])
-  _options_check(target, name, sp, _joint_law(target[3], sp), False)
+def test_each_sampling_option_is_exact(target, options_law, name):
+  """Invariant: every option at once and each alone, as each row's values
+  in one compiled program (the canonical program of all of them, as
+  ``runner.generate_ids`` builds for rows that differ), with a sampled
+  chain and a tree: each setting's 50,000 rows pass the check against its
+  own law."""
+  program = OPTIONS.program()
+  settings = [(OPTIONS, options_law)] + [
+      (sp, _joint_law(target[3], sp)) for sp in (
+          dataclasses.replace(SAMPLING, **ONE_OPTION[option])
+          for option in sorted(ONE_OPTION))]
+  for seed, (sp, law) in enumerate(settings):
+    _options_check(target, name, sp, law, program, seed)
 
 
 @pytest.mark.long

@@ -19,6 +19,7 @@ from specjax.drafters.eagle import EagleDrafter
 from specjax.heads.base import HeadConfig
 from specjax.models.decoder import Decoder
 from tests.forced_devices import run_worker
+from tests.run_bound import generate_o1
 
 PROMPTS = [[5, 17, 3, 9, 1, 30], [9, 1, 30, 22, 4, 8, 2, 11, 7], [33, 4]]
 NEW = 24
@@ -148,9 +149,9 @@ def test_the_modes_follow_the_theorys_two_state_chain(alpha):
   N, K, NEW = 500, 3, 400
   dcfg = engine.DecodeConfig(capacity=512, sampling=engine.SamplingParams(1.0),
                              drafter=_AlwaysZero(), num_draft=K, pearl=True)
-  st = engine.generate_jit(params, jnp.ones((N, 2), jnp.int32),
-                           jnp.full((N,), 2, jnp.int32), jax.random.key(0),
-                           np.int32(NEW), target=Decoder(cfg), dcfg=dcfg)
+  st = generate_o1(params, jnp.ones((N, 2), jnp.int32),
+                   jnp.full((N,), 2, jnp.int32), jax.random.key(0),
+                   np.int32(NEW), target=Decoder(cfg), dcfg=dcfg)
   p0 = float(jax.nn.softmax(Decoder(cfg).forward(
       params, jnp.ones((1, 1), jnp.int32),
       Decoder(cfg).init_cache(params, 1, 4)).logits[0, 0])[0])

@@ -11,6 +11,7 @@ from specjax.core import tree as trees
 from specjax.core.sampling import SamplingParams, warp
 from specjax.drafters import Context, NGramDrafter
 from specjax.models.decoder import Decoder
+from tests.run_bound import generate_o1
 
 # Repetitive prompts so prompt lookup has something to find.
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 1, 9, 1, 9],
@@ -257,9 +258,9 @@ def _joint_first_two(params, cfg, draft, n=50_000, min_conf=0.1, seed=0):
   dcfg = engine.DecodeConfig(capacity=16, sampling=SamplingParams(1.0),
                              drafter=DraftModelDrafter(Decoder(dcfg_), min_conf),
                              num_draft=2)
-  st = engine.generate_jit(params, prompt_BT, jnp.full((n,), 3, jnp.int32),
-                           jax.random.key(seed), np.int32(2), target=Decoder(cfg),
-                           dcfg=dcfg, drafter_params=dparams)
+  st = generate_o1(params, prompt_BT, jnp.full((n,), 3, jnp.int32),
+                   jax.random.key(seed), np.int32(2), target=Decoder(cfg),
+                   dcfg=dcfg, drafter_params=dparams)
   t1, t2 = np.asarray(st.tokens[:, 3]), np.asarray(st.tokens[:, 4])
   V = cfg.vocab_size
   counts = np.bincount(t1 * V + t2, minlength=V * V)
@@ -416,7 +417,7 @@ def test_tree_steps_keep_sampling_exact(hf_tiny, monkeypatch):
     dcfg = engine.DecodeConfig(capacity=24, sampling=sp,
                                drafter=NGramDrafter(num_paths=3), num_draft=2,
                                tree_nodes=5)
-    st = engine.generate_jit(
+    st = generate_o1(
         params, jnp.tile(jnp.array([prompt], jnp.int32), (n, 1)),
         jnp.full((n,), L, jnp.int32), jax.random.key(1), np.int32(3),
         target=Decoder(cfg), dcfg=dcfg)
