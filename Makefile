@@ -27,7 +27,7 @@ REFS   := gemma==2.0.8 sentencepiece==0.2.3
 LLAMACPP_VERSION := 0.3.36
 CONVERTER := $(VENV)/llama.cpp/convert_hf_to_gguf.py
 
-# llama.cpp itself (llama-cpp-python compiles it: ~7 min on 2 cores), for the
+# llama.cpp itself (llama-cpp-python compiles it: 7-10 min on 2 cores), for the
 # long stage only: its tests compare specjax with it and require it. Only the
 # shared libraries are built (no tests, examples, tools, server or llava).
 # The wheel is built apart from .venv, by a venv of its own, so that CI can

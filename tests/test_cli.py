@@ -365,17 +365,18 @@ def test_prompt_longer_than_context(capsys, tmp_path):
 
 
 @pytest.mark.long
-def test_generate_json_contract(tmp_path):
+def test_generate_json_contract(capsys, tmp_path):
   """Invariant: --json prints one object per prompt with the documented fields,
   output_ids are the new tokens only, and text decodes them, each with its
   log-probabilities (greedy: 0 sampled, below 0 raw); greedy is
-  deterministic across batch sizes (batch 2 vs batch 1 give the same ids)."""
+  deterministic across batch sizes (batch 2 vs batch 1 give the same ids).
+  In-process (``cli.main``): the seed test runs the CLI as a process."""
   f = tmp_path / "p.jsonl"
   f.write_text('{"prompt": "Name a color."}\n{"prompt": "Count to three."}\n')
   outs = []
   for bs in ("2", "1"):
-    proc = _cli("generate", "--prompt-file", str(f), "--max-new-tokens", "6",
-                "--batch-size", bs, "--json")
+    proc = _main(capsys, "generate", "--prompt-file", str(f),
+                 "--max-new-tokens", "6", "--batch-size", bs, "--json")
     assert proc.returncode == 0, proc.stderr
     outs.append([json.loads(l) for l in proc.stdout.splitlines()])
   rows = outs[0]
