@@ -32,37 +32,11 @@ def _check_runs(out: dict, expected_runs: int):
 
 
 @pytest.mark.long
-def test_sharded_decoding_equals_one_device_and_is_laid_out():
-  """Invariants on a data=2 x model=4 mesh, ragged batch of 8: (0) every
-  parameter and every decode-state array (cache, tokens, counters, the
-  EAGLE head's state, the key) carries the sharding ``sharding.param_specs``
-  / ``state_specs`` assign it; (1) AR,
-  n-gram and EAGLE-3 at T = 0, and AR and EAGLE-3 at T = 1 (top-p 0.9) with
-  the same key, emit exactly the single-device tokens (the random draws do
-  not depend on the layout; see DESIGN.md "Scaling out"); (2) what each
-  device holds: 1/4 of the kv heads' q/k/v columns, of the o-projection's
-  rows, of the FFN units and of the vocabulary, all of the norms; 1/2 of
-  the rows of the token buffer, the lengths and the cache, and 1/4 of the
-  cache's kv heads; the EAGLE head's state split by row, its weights whole;
-  (3) 3 kv heads (SmolLM2's) do not split over 2: q/k/v replicated, the FFN
-  still split. The worker passes host prompts and key: the engine's own
-  layout constraints place the state
-  (test_without_the_engines_constraints_the_state_is_not_laid_out shows
-  (2) failing without them)."""
-  out = _worker()
-  _check_runs(out, 5)
-  assert out["every_leaf_as_specified"]  # each parameter and state array
-  assert out["specs"]["data=2,model=4"] == LAID_OUT
-  assert out["specs"]["odd_heads"] == {"wqkv": [[32, 60], [32, 60]],
-                                       "w_down": [[48, 32], [24, 32]]}
-
-
-@pytest.mark.long
 def test_without_the_engines_constraints_the_state_is_not_laid_out():
   """Invariant (mutation check): with ``sharding.constrain`` made the
   identity, the decode state the engine returns is not laid out as
   ``state_specs`` says (the cache and token buffer stay whole on each
-  device) and the layout check above fails; the parameters, placed by the
+  device) and the layout check below fails; the parameters, placed by the
   caller, still are."""
   out = _worker("--unconstrained")
   assert not out["every_leaf_as_specified"]
@@ -102,13 +76,30 @@ def test_non_llama_target_sharded_equals_one_device():
 
 
 @pytest.mark.long
-def test_sharded_decoding_every_mesh_shape():
-  """Invariant: on meshes 1x8, 2x4, 4x2 and 8x1, AR, n-gram, EAGLE-3 chains
-  and EAGLE-2 dynamic trees, at T = 0 and T = 1 (top-p 0.9, same key), emit
-  exactly the single-device tokens; each mesh's cache holds B / data rows
-  and G / model kv heads per device."""
+def test_sharded_decoding_equals_one_device_and_is_laid_out():
+  """Invariants on meshes 1x8, 2x4, 4x2 and 8x1, ragged batch of 8: (0)
+  every parameter and every decode-state array (cache, tokens, counters,
+  the EAGLE head's state, the key) carries the sharding
+  ``sharding.param_specs`` / ``state_specs`` assign it; (1) AR, n-gram,
+  EAGLE-3 chains and EAGLE-2 dynamic trees, at T = 0 and T = 1 (top-p 0.9)
+  with the same key, emit exactly the single-device tokens (the random
+  draws do not depend on the layout; see DESIGN.md "Scaling out"); (2) on
+  data=2 x model=4, what each device holds: 1/4 of the kv heads' q/k/v
+  columns, of the o-projection's rows, of the FFN units and of the
+  vocabulary, all of the norms; 1/2 of the rows of the token buffer, the
+  lengths and the cache, and 1/4 of the cache's kv heads; the EAGLE head's
+  state split by row, its weights whole; on each mesh, B / data cache rows
+  and G / model kv heads per device; (3) 3 kv heads (SmolLM2's) do not
+  split over 2: q/k/v replicated, the FFN still split. The worker passes
+  host prompts and key: the engine's own layout constraints place the
+  state (test_without_the_engines_constraints_the_state_is_not_laid_out
+  shows (2) failing without them)."""
   out = _worker("--full")
   _check_runs(out, 2 * 4 * 4)
+  assert out["every_leaf_as_specified"]  # each parameter and state array
+  assert out["specs"]["data=2,model=4"] == LAID_OUT
+  assert out["specs"]["odd_heads"] == {"wqkv": [[32, 60], [32, 60]],
+                                       "w_down": [[48, 32], [24, 32]]}
   for name, d, m in (("data=1,model=8", 1, 8), ("data=2,model=4", 2, 4),
                      ("data=4,model=2", 4, 2), ("data=8", 8, 1)):
     assert out["specs"][name]["cache_k"][1] == [8 // d, 8 // m, 4, 48]
