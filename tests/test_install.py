@@ -57,13 +57,11 @@ def test_a_plain_install_carries_the_kernels(tmp_path):
   venv = tmp_path / "venv"
   subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
   python = venv / "bin" / "python"
-  site = subprocess.run(
-      [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-      capture_output=True, text=True, check=True).stdout.strip()
   # After the venv's own site-packages on sys.path: the installed specjax
   # shadows the checkout's editable one, the dependencies are found.
+  site = sysconfig.get_path("purelib", vars={"base": str(venv)})
   (pathlib.Path(site) / "deps.pth").write_text(
-      sysconfig.get_paths()["purelib"] + "\n")
+      sysconfig.get_path("purelib") + "\n")
   install = subprocess.run(
       [str(python), "-m", "pip", "install", "-q", "--no-deps", str(ROOT)],
       cwd=tmp_path, capture_output=True, text=True, timeout=1200)
